@@ -1,0 +1,247 @@
+"""Architecture adapters: where a MoE layer's router, experts and counts live.
+
+Two dispatch shapes cover the supported families:
+
+- ``experts_call``: the block calls ``experts(hidden [N,H], top_k_ids [N,k],
+  top_k_weights [N,k])``. transformers 5 native fused experts (Qwen3-MoE, OLMoE,
+  Mixtral, DeepSeek-V3, GLM4-MoE, GPT-OSS) and llm-compressor's linearized
+  ``LinearExperts2D`` all have this signature.
+- ``kimi``: Kimi K3 / Kimi Linear ``KimiSparseMoeBlock``: the gate returns
+  ``(top_k_ids, top_k_weights)``, the experts are a ``ModuleList`` of ``w1/w2/w3``
+  MLPs dispatched by ``moe_infer`` (routed) or ``moe_train`` (calibrate-all), and
+  for a latent MoE the experts work in the latent space between
+  ``routed_expert_down_proj`` and ``routed_expert_up_proj``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = [
+    "COUNT_KEYS",
+    "MoEArchitecture",
+    "MoELayer",
+    "NoMoEError",
+    "find_moe_architecture",
+]
+
+#: config keys that hold the routed-expert count, per family
+COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_KEYS = (
+    "num_experts_per_tok",
+    "num_experts_per_token",
+    "experts_per_token",
+    "moe_top_k",
+    "top_k",
+)
+N_GROUP_KEYS = ("n_group", "num_expert_group")
+TOPK_GROUP_KEYS = ("topk_group", "top_k_group")
+ROUTER_ATTRS = ("gate", "router")
+EXPERTS_ATTR = "experts"
+#: per-module integer attributes that mirror the expert count
+MODULE_COUNT_ATTRS = ("num_experts", "n_routed_experts", "experts_per_rank", "num_local_experts")
+
+
+class NoMoEError(ValueError):
+    """The model has no MoE layer this package can prune."""
+
+
+@dataclass
+class MoELayer:
+    """One prunable MoE block."""
+
+    name: str
+    block: nn.Module
+    router_attr: str
+    kind: str  # "experts_call" | "kimi"
+
+    @property
+    def router(self) -> nn.Module:
+        return getattr(self.block, self.router_attr)
+
+    @property
+    def experts(self) -> nn.Module:
+        return getattr(self.block, EXPERTS_ATTR)
+
+    def router_weight(self) -> torch.Tensor:
+        return self.router.weight
+
+
+@dataclass
+class MoEArchitecture:
+    """Everything the observer, the plan and the surgery need to know about a model."""
+
+    model_class: str
+    config: object  # the (text) config that holds the expert count
+    count_keys: list[str]
+    num_experts: int
+    top_k: int
+    n_group: int | None
+    topk_group: int | None
+    layers: list[MoELayer]
+    ignored: list[str] = field(default_factory=list)
+
+    @property
+    def group_limited(self) -> bool:
+        return bool(self.n_group and self.n_group > 1 and (self.topk_group or 1) < self.n_group)
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    def describe(self) -> dict:
+        return {
+            "model_class": self.model_class,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "count_keys": self.count_keys,
+            "num_moe_layers": len(self.layers),
+        }
+
+
+def text_config(config):
+    """The config holding MoE fields (``text_config`` for multimodal wrappers such as K3)."""
+    sub = getattr(config, "text_config", None)
+    return sub if sub is not None else config
+
+
+def _first(config, keys) -> tuple[str | None, object]:
+    for key in keys:
+        value = getattr(config, key, None)
+        if value is not None:
+            return key, value
+    return None, None
+
+
+def _is_kimi_block(module: nn.Module) -> bool:
+    return (
+        isinstance(getattr(module, EXPERTS_ATTR, None), nn.ModuleList)
+        and hasattr(module, "moe_infer")
+        and hasattr(module, "gate")
+    )
+
+
+def _is_experts_call(experts: nn.Module) -> bool:
+    """Experts with the ``forward(hidden, top_k_ids, top_k_weights)`` signature."""
+    from llmcompressor.modeling.moe.helpers import FusedExpertsProtocol
+    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
+
+    if isinstance(experts, LinearExperts2D) or isinstance(experts, FusedExpertsProtocol):
+        return True
+    # fused 3-D experts not decorated by `use_experts_implementation` (e.g. GPT-OSS
+    # variants): a leading expert dimension on the projection parameters
+    params = dict(experts.named_parameters(recurse=False))
+    return "down_proj" in params and params["down_proj"].dim() == 3
+
+
+def _classify(module: nn.Module) -> tuple[str, str] | None:
+    experts = getattr(module, EXPERTS_ATTR, None)
+    if experts is None or not isinstance(experts, nn.Module):
+        return None
+    router_attr = next((a for a in ROUTER_ATTRS if isinstance(getattr(module, a, None), nn.Module)), None)
+    if router_attr is None:
+        return None
+    router = getattr(module, router_attr)
+    if not isinstance(getattr(router, "weight", None), torch.Tensor):
+        return None
+    if _is_kimi_block(module):
+        return router_attr, "kimi"
+    if _is_experts_call(experts):
+        return router_attr, "experts_call"
+    return None
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """Upstream semantics (``re.search``), plus llm-compressor's ``re:`` prefix."""
+    if pattern.startswith("re:"):
+        pattern = pattern[3:]
+    return re.search(pattern, name) is not None
+
+
+def find_moe_architecture(model: nn.Module, ignore: list[str] | None = None) -> MoEArchitecture:
+    """Locate every prunable MoE block and read the MoE fields of the config.
+
+    :param ignore: regex patterns (``re.search``) of module names to leave alone; a
+        pattern that would leave *some* MoE layers unpruned is refused, because the
+        saved config can hold only one expert count
+    :raises NoMoEError: the model has no supported MoE block
+    :raises ValueError: ``ignore`` excludes some but not all MoE layers
+    """
+    ignore = list(ignore or [])
+    config = getattr(model, "config", None)
+    if config is None:
+        raise NoMoEError(f"{type(model).__name__} has no `config`; pass a transformers model")
+    cfg = text_config(config)
+
+    found: list[MoELayer] = []
+    ignored: list[str] = []
+    for name, module in model.named_modules():
+        kind = _classify(module)
+        if kind is None:
+            continue
+        if any(_matches(p, name) for p in ignore):
+            ignored.append(name)
+            continue
+        found.append(MoELayer(name=name, block=module, router_attr=kind[0], kind=kind[1]))
+
+    if not found and not ignored:
+        raise NoMoEError(
+            f"{type(model).__name__} has no MoE layer REAP can prune (looked for blocks "
+            f"with an `experts` module and a `gate`/`router` holding a weight). Supported: "
+            "Kimi K3 / Kimi Linear, DeepSeek-V3, Qwen3-MoE, OLMoE, Mixtral, GLM4-MoE, "
+            "GPT-OSS, and any llm-compressor LinearExperts2D model."
+        )
+    if ignored:
+        if not found:
+            raise ValueError(
+                f"`ignore` patterns {ignore} exclude every MoE layer ({len(ignored)}); "
+                "nothing would be pruned. Remove the patterns that match MoE blocks."
+            )
+        raise ValueError(
+            f"`ignore` patterns {ignore} leave {len(ignored)} MoE layers unpruned "
+            f"(e.g. {ignored[:3]}) while {len(found)} would be pruned; the saved config "
+            "holds a single expert count, so the checkpoint could not load. Prune every "
+            "MoE layer (drop the patterns matching MoE blocks) or none."
+        )
+
+    # real keys only (transformers' attribute_map aliases resolve to one of them)
+    stored = cfg.to_dict()
+    count_keys = [k for k in COUNT_KEYS if isinstance(stored.get(k), int)] or [
+        k for k in COUNT_KEYS if isinstance(getattr(cfg, k, None), int)
+    ]
+    if not count_keys:
+        raise NoMoEError(
+            f"{type(cfg).__name__} has none of the expert-count keys {COUNT_KEYS}"
+        )
+    num_experts = int(getattr(cfg, count_keys[0]))
+    _, top_k = _first(cfg, TOP_K_KEYS)
+    if top_k is None:
+        raise NoMoEError(f"{type(cfg).__name__} has none of the top-k keys {TOP_K_KEYS}")
+    _, n_group = _first(cfg, N_GROUP_KEYS)
+    _, topk_group = _first(cfg, TOPK_GROUP_KEYS)
+
+    for layer in found:
+        rows = layer.router.weight.shape[0]
+        if rows != num_experts:
+            raise ValueError(
+                f"{layer.name}: router has {rows} rows but the config says "
+                f"{count_keys[0]}={num_experts}; the model is inconsistent"
+            )
+
+    return MoEArchitecture(
+        model_class=type(model).__name__,
+        config=cfg,
+        count_keys=count_keys,
+        num_experts=num_experts,
+        top_k=int(top_k),
+        n_group=int(n_group) if n_group is not None else None,
+        topk_group=int(topk_group) if topk_group is not None else None,
+        layers=found,
+        ignored=ignored,
+    )

@@ -1,0 +1,120 @@
+"""Workarounds for upstream gaps, all in one place (each says why).
+
+Applied once, idempotently, by :func:`install` (called when the modifier module is
+imported). Nothing here changes behaviour for models this package does not prune.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from loguru import logger
+
+from .adapters import COUNT_KEYS
+
+__all__ = ["install", "register_kimi_auto_classes", "fix_saved_expert_counts"]
+
+_INSTALLED = False
+
+
+def fix_saved_expert_counts(config, save_dir: str) -> None:
+    """Make ``save_dir/config.json`` carry the model's current expert count.
+
+    Why: llm-compressor 0.14.0.1 ``resave_config`` rewrites config.json from the
+    *original* checkpoint's config and patches only ``num_experts``,
+    ``num_local_experts`` and ``moe_num_experts``; DeepSeek-V3 / GLM4-MoE keep the old
+    ``n_routed_experts`` and the pruned checkpoint cannot load. We patch every count
+    key that is present (top level and nested ``text_config``) from the live config.
+    """
+    path = os.path.join(save_dir, "config.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        saved = json.load(f)
+    live = config.to_dict()
+    changed = False
+    for section_saved, section_live in (
+        (saved, live),
+        (saved.get("text_config"), live.get("text_config")),
+    ):
+        if not isinstance(section_saved, dict) or not isinstance(section_live, dict):
+            continue
+        for key in COUNT_KEYS:
+            if key in section_saved and key in section_live:
+                if section_saved[key] != section_live[key]:
+                    section_saved[key] = section_live[key]
+                    changed = True
+    if changed:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(saved, f, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+        logger.info(f"REAP: patched expert counts in {path} (upstream resave_config gap)")
+
+
+def _patch_resave_config() -> None:
+    from llmcompressor.transformers.compression import compressed_tensors_utils as ctu
+
+    original = ctu.resave_config
+    if getattr(original, "_reap_patched", False):
+        return
+
+    def resave_config(config, save_dir):
+        original(config, save_dir)
+        fix_saved_expert_counts(config, save_dir)
+
+    resave_config._reap_patched = True
+    ctu.resave_config = resave_config
+
+
+def _drop_broken_lazy_aliases() -> None:
+    """Why: with transformers 5.17 and no torchvision, walking ``sys.modules`` (as
+    llm-compressor's ``load_context`` / ``load_quantizable_moe`` do) touches lazy
+    alias modules whose import fails. Dropping the unimportable ones avoids the crash.
+    """
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers") or module is None:
+            continue
+        try:
+            getattr(module, "__dict__")
+        except Exception:  # noqa: BLE001 - any failure means unusable alias
+            sys.modules.pop(name, None)
+
+
+def register_kimi_auto_classes() -> None:
+    """Why: ``oneshot`` re-reads the config through ``AutoConfig``; Kimi K3's
+    ``kimi_k3`` model type is not registered with transformers (and transformers' own
+    ``kimi_linear`` is a different architecture), so register llm-compressor's classes.
+    """
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    from llmcompressor.modeling.kimi_k3.configuration_kimi_k3 import KimiK3Config
+    from llmcompressor.modeling.kimi_k3.modeling_kimi_k3 import (
+        KimiK3ForConditionalGeneration,
+    )
+
+    for auto in (AutoConfig,):
+        try:
+            auto.register("kimi_k3", KimiK3Config, exist_ok=True)
+        except TypeError:  # older signature
+            auto.register("kimi_k3", KimiK3Config)
+    for auto in (AutoModel, AutoModelForCausalLM):
+        try:
+            auto.register(KimiK3Config, KimiK3ForConditionalGeneration, exist_ok=True)
+        except ValueError:
+            pass
+
+
+def install() -> None:
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _patch_resave_config()
+    _drop_broken_lazy_aliases()
+    try:
+        register_kimi_auto_classes()
+    except Exception as exc:  # noqa: BLE001 - K3 support is optional at import
+        logger.debug(f"REAP: Kimi K3 auto-class registration skipped: {exc}")
+    _INSTALLED = True

@@ -1,0 +1,262 @@
+"""``REAPPruningModifier``: router-weighted expert activation pruning (arXiv 2510.13999).
+
+A drop-in superset of llm-compressor 0.14's modifier of the same name: ``sparsity``,
+``ignore`` and ``report_path`` keep their meaning; scores, plans, manifests, other
+saliency criteria, ``divisible_by`` and seven MoE families are added.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+from loguru import logger
+from pydantic import Field, PrivateAttr, field_validator, model_validator
+
+from llmcompressor.core import Event, State
+from llmcompressor.modeling.moe.context import get_calibrate_all_experts_flag
+from llmcompressor.modifiers import Modifier
+from llmcompressor.modifiers.factory import ModifierFactory
+
+from . import compat
+from .adapters import MoEArchitecture, find_moe_architecture
+from .fileio import sha256_file, write_json_atomic
+from .manifest import build_manifest
+from .observer import SaliencyObserver
+from .plan import KeepCount, PruningPlan, compute_keep_count
+from .scores import ExpertScores
+from .surgery import apply_plan
+
+__all__ = ["REAPPruningModifier"]
+
+compat.install()
+
+SaliencyName = Literal[
+    "reap", "frequency", "weighted_frequency", "ean", "ean_mean", "max_norm"
+]
+
+
+class REAPPruningModifier(Modifier):
+    """
+    Prune whole routed experts of every MoE layer by REAP saliency
+
+        ``S_j = mean over tokens routed to j of g_j(x) * ||f_j(x)||_2``
+
+    (``g_j``: the weight the model multiplies expert ``j``'s output by; ``f_j``: the
+    expert output, in the latent space for latent MoE). Statistics are observed over
+    all calibration batches; on calibration end every layer is cut at the same keep
+    count and the model is pruned in memory (experts, router rows, score-correction
+    bias, config counts).
+
+    :param sparsity: fraction of experts to drop per layer, in (0, 1)
+    :param num_experts_to_keep: experts to keep per layer (instead of ``sparsity``)
+    :param divisible_by: round the kept count down to a multiple (e.g. 8 for EP)
+    :param saliency: ranking criterion: ``reap`` (default), ``frequency``,
+        ``weighted_frequency``, ``ean``, ``ean_mean``, ``max_norm``
+    :param ignore: module-name regexes (``re.search``; ``re:`` prefix accepted) of
+        MoE blocks to skip; refused if it leaves some MoE layers unpruned
+    :param report_path: ``.json`` with ``{layer: [retained original ids]}`` (upstream format)
+    :param scores_path: write the raw per-layer statistics (safetensors + metadata)
+    :param manifest_path: write ``pruning_manifest.json``
+    :param calibration_source: label of the calibration corpus (per-source counts)
+
+    Example recipe::
+
+        REAPPruningModifier:
+          sparsity: 0.5
+          divisible_by: 8
+          scores_path: out/scores.safetensors
+          manifest_path: out/pruning_manifest.json
+    """
+
+    requires_calibration_data: bool = True
+
+    sparsity: Optional[float] = None
+    num_experts_to_keep: Optional[int] = None
+    divisible_by: Optional[int] = None
+    saliency: SaliencyName = "reap"
+    ignore: list[str] = Field(default_factory=list)
+    report_path: Optional[str] = None
+    scores_path: Optional[str] = None
+    manifest_path: Optional[str] = None
+    calibration_source: str = "default"
+
+    _arch: MoEArchitecture | None = PrivateAttr(default=None)
+    _keep: KeepCount | None = PrivateAttr(default=None)
+    _observer: SaliencyObserver | None = PrivateAttr(default=None)
+    _plan: PruningPlan | None = PrivateAttr(default=None)
+    _scores: ExpertScores | None = PrivateAttr(default=None)
+
+    # -- validation (before any model work) -----------------------------------------
+
+    @field_validator("sparsity")
+    @classmethod
+    def _check_sparsity(cls, v: Optional[float]) -> Optional[float]:
+        if v is not None and not 0.0 < v < 1.0:
+            raise ValueError(f"sparsity must be in (0, 1), got {v}")
+        return v
+
+    @field_validator("num_experts_to_keep", "divisible_by")
+    @classmethod
+    def _check_positive(cls, v: Optional[int], info) -> Optional[int]:
+        if v is not None and v < 1:
+            raise ValueError(f"{info.field_name} must be >= 1, got {v}")
+        return v
+
+    @field_validator("report_path", "manifest_path")
+    @classmethod
+    def _check_json(cls, v: Optional[str], info) -> Optional[str]:
+        if v is not None and not str(v).endswith(".json"):
+            raise ValueError(f"{info.field_name} must end with .json, got {v}")
+        return v
+
+    @field_validator("scores_path")
+    @classmethod
+    def _check_scores_suffix(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not str(v).endswith(".safetensors"):
+            raise ValueError(f"scores_path must end with .safetensors, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_keep_spec(self) -> "REAPPruningModifier":
+        if (self.sparsity is None) == (self.num_experts_to_keep is None):
+            raise ValueError(
+                "give exactly one of `sparsity` (fraction to drop) or "
+                "`num_experts_to_keep`"
+                + (" (both were given)" if self.sparsity is not None else "")
+            )
+        return self
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def on_initialize(self, state: State, **kwargs) -> bool:
+        self._arch = find_moe_architecture(state.model, self.ignore)
+        arch = self._arch
+        self._keep = compute_keep_count(
+            arch.num_experts,
+            arch.top_k,
+            sparsity=self.sparsity,
+            num_experts_to_keep=self.num_experts_to_keep,
+            divisible_by=self.divisible_by,
+            n_group=arch.n_group if arch.group_limited else None,
+            topk_group=arch.topk_group if arch.group_limited else None,
+        )
+        for path in (self.report_path, self.scores_path, self.manifest_path):
+            if path is not None:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._observer = SaliencyObserver(arch, self.register_hook)
+        logger.info(
+            f"REAP: {arch.model_class}: {len(arch.layers)} MoE layers x "
+            f"{arch.num_experts} experts (top-{arch.top_k}); keeping {self._keep.keep} "
+            f"per layer by {self.saliency!r}"
+        )
+        return True
+
+    def on_calibration_start(self, state: State, event: Event, **kwargs) -> None:
+        if self._plan is not None:
+            return
+        if get_calibrate_all_experts_flag():
+            logger.info(
+                "REAP: moe_calibrate_all_experts is on; REAP observes routed tokens only "
+                "(identical scores either way) — turning it off makes calibration cheaper"
+            )
+        self._observer.attach()
+
+    def on_calibration_end(self, state: State, event: Event, **kwargs) -> None:
+        self.remove_hooks()
+        if self._plan is None and self._observer is not None:
+            self._decide_and_prune(state.model)
+
+    def on_finalize(self, state: State, **kwargs) -> bool:
+        self.remove_hooks()
+        if self._plan is None:
+            self._decide_and_prune(state.model)
+        return True
+
+    # -- decision ------------------------------------------------------------------------
+
+    def _decide_and_prune(self, model: torch.nn.Module) -> None:
+        arch = self._arch
+        self._observer.reset_pending()
+        scores = self._observer.to_scores(
+            self.calibration_source,
+            metadata={"model_fingerprint": router_fingerprint(arch)},
+        )
+        self._scores = scores
+        if scores.total_tokens() == 0:
+            raise RuntimeError(
+                "REAP observed no tokens: no calibration data reached the MoE layers. "
+                "Pass a dataset to oneshot (num_calibration_samples > 0)."
+            )
+        if self.scores_path is not None:
+            scores.save(self.scores_path)
+            logger.info(f"REAP: wrote scores to {self.scores_path}")
+
+        counts = {name: stats["count"] for name, stats in scores.layers.items()}
+        plan = PruningPlan.from_saliency(
+            scores.saliency(self.saliency),
+            self._keep,
+            criterion=self.saliency,
+            n_group=arch.n_group if arch.group_limited else None,
+            params=self._plan_params(),
+            counts=counts,
+        )
+        self._plan = plan
+        num_before = arch.num_experts
+        apply_plan(model, arch, plan)
+        self._write_outputs(plan, num_before)
+
+    def _plan_params(self) -> dict:
+        return {
+            "sparsity": self.sparsity,
+            "num_experts_to_keep_requested": self.num_experts_to_keep,
+            "divisible_by": self.divisible_by,
+            "calibration_source": self.calibration_source,
+            "tokens": self._scores.metadata.get("tokens") if self._scores else None,
+        }
+
+    def _write_outputs(self, plan: PruningPlan, num_before: int) -> None:
+        if self.report_path is not None:
+            write_json_atomic(self.report_path, plan.kept)
+        if self.manifest_path is not None:
+            scores_ref = None
+            if self.scores_path is not None:
+                scores_ref = {"path": str(self.scores_path), "sha256": sha256_file(self.scores_path)}
+            manifest = build_manifest(
+                plan,
+                method="REAP (in-memory surgery, llm-compressor oneshot)",
+                model_class=self._arch.model_class,
+                count_key=self._arch.count_keys[0],
+                scores=scores_ref,
+            )
+            write_json_atomic(self.manifest_path, manifest)
+
+    # -- accessors for callers and tests --------------------------------------------------
+
+    @property
+    def plan(self) -> PruningPlan | None:
+        return self._plan
+
+    @property
+    def scores(self) -> ExpertScores | None:
+        return self._scores
+
+    @property
+    def architecture(self) -> MoEArchitecture | None:
+        return self._arch
+
+
+def router_fingerprint(arch: MoEArchitecture) -> str:
+    """sha256 over the first MoE layer's router weight (identifies the model in files)."""
+    import hashlib
+
+    weight = arch.layers[0].router.weight.detach().to("cpu", torch.float32).contiguous()
+    return hashlib.sha256(weight.numpy().tobytes()).hexdigest()
+
+
+def _register() -> None:
+    ModifierFactory.register("REAPPruningModifier", REAPPruningModifier)
+
+
+_register()

@@ -1,0 +1,415 @@
+"""Choosing what to keep: the keep-count rule and the :class:`PruningPlan`.
+
+Keep-count rule (the same for the modifier, ``reap cut`` and ``reap prune``):
+
+1. ``keep = E - round(sparsity * E)`` (round half to even is *not* used: halves
+   round up the number dropped), or ``keep = num_experts_to_keep``;
+2. rounded down to a multiple of ``divisible_by``;
+3. for group-limited routers (``n_group > 1`` and ``topk_group < n_group``), rounded
+   down to an equal count per group;
+4. refused when the result is zero, below ``top_k``, or below what group-limited
+   routing can reach (``topk_group * keep_per_group < top_k``).
+
+Within a layer (or group) the ``keep`` highest-saliency experts survive; ties go to
+the lower original index. Kept ids are ascending original ids, renumbered 0..n-1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from loguru import logger
+
+from .fileio import write_json_atomic
+
+__all__ = [
+    "PLAN_FORMAT",
+    "PLAN_VERSION",
+    "KeepCount",
+    "PlanError",
+    "PruningPlan",
+    "compute_keep_count",
+    "keep_count_for_scores",
+    "plan_from_scores",
+    "retained_mass",
+    "select_experts",
+    "sparsity_to_keep",
+]
+
+PLAN_FORMAT = "reap-plan"
+PLAN_VERSION = 1
+
+
+class PlanError(ValueError):
+    """The requested keep count or plan is invalid for this model."""
+
+
+@dataclass(frozen=True)
+class KeepCount:
+    """Outcome of the keep-count rule."""
+
+    num_experts: int
+    keep: int
+    requested: int
+    per_group: int | None = None
+    adjustments: tuple[str, ...] = ()
+
+
+def _round_half_up(x: float) -> int:
+    return int(math.floor(x + 0.5))
+
+
+def sparsity_to_keep(num_experts: int, sparsity: float) -> int:
+    """Step 1 of the rule for a sparsity: ``E - round_half_up(sparsity * E)``."""
+    return num_experts - _round_half_up(sparsity * num_experts)
+
+
+def compute_keep_count(
+    num_experts: int,
+    top_k: int,
+    *,
+    sparsity: float | None = None,
+    num_experts_to_keep: int | None = None,
+    divisible_by: int | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+) -> KeepCount:
+    """Apply the keep-count rule; raise :class:`PlanError` saying what to change."""
+    if (sparsity is None) == (num_experts_to_keep is None):
+        raise PlanError("give exactly one of sparsity or num_experts_to_keep")
+    if sparsity is not None:
+        if not 0.0 < sparsity < 1.0:
+            raise PlanError(f"sparsity must be in (0, 1), got {sparsity}")
+        requested = num_experts - _round_half_up(sparsity * num_experts)
+        what = f"sparsity={sparsity} of {num_experts} experts"
+    else:
+        requested = int(num_experts_to_keep)
+        what = f"num_experts_to_keep={requested}"
+        if not 0 < requested <= num_experts:
+            raise PlanError(
+                f"num_experts_to_keep must be in [1, {num_experts}], got {requested}"
+            )
+    keep = requested
+    notes: list[str] = []
+    if divisible_by is not None:
+        if divisible_by < 1:
+            raise PlanError(f"divisible_by must be >= 1, got {divisible_by}")
+        rounded = keep - keep % divisible_by
+        if rounded != keep:
+            notes.append(f"rounded {keep} down to {rounded} (divisible_by={divisible_by})")
+        keep = rounded
+        if keep == 0:
+            raise PlanError(
+                f"{what} leaves {requested} experts, which divisible_by={divisible_by} "
+                "rounds down to 0; lower divisible_by or keep more experts"
+            )
+    per_group = None
+    grouped = n_group is not None and n_group > 1 and (topk_group or n_group) < n_group
+    if grouped:
+        if num_experts % n_group:
+            raise PlanError(f"{num_experts} experts do not split into n_group={n_group} groups")
+        per_group = keep // n_group
+        rounded = per_group * n_group
+        if rounded != keep:
+            notes.append(
+                f"rounded {keep} down to {rounded} for an equal count in each of "
+                f"{n_group} groups (group-limited routing)"
+            )
+        keep = rounded
+        if divisible_by is not None and keep % divisible_by:
+            # find the largest count that is a multiple of both
+            step = math.lcm(divisible_by, n_group)
+            keep = keep - keep % step
+            per_group = keep // n_group
+            notes.append(f"rounded to {keep}, a multiple of lcm(divisible_by, n_group)={step}")
+    if keep <= 0:
+        raise PlanError(f"{what} keeps no experts; keep at least top_k={top_k}")
+    if keep < top_k:
+        raise PlanError(
+            f"{what} keeps {keep} experts per layer, fewer than top_k={top_k} the router "
+            f"selects per token; keep at least {top_k} (lower sparsity)"
+        )
+    if grouped:
+        reachable = (topk_group or n_group) * per_group
+        if reachable < top_k:
+            raise PlanError(
+                f"{what} keeps {per_group} experts in each of {n_group} groups; the router "
+                f"picks topk_group={topk_group} groups, so only {reachable} experts are "
+                f"reachable per token, fewer than top_k={top_k}; lower sparsity"
+            )
+    for note in notes:
+        logger.info(f"REAP keep count: {note}")
+    return KeepCount(num_experts, keep, requested, per_group, tuple(notes))
+
+
+def select_experts(
+    saliency: torch.Tensor, keep: int, n_group: int | None = None
+) -> list[int]:
+    """Ascending ids of the ``keep`` highest-saliency experts (per group when grouped).
+
+    Deterministic: ties are broken toward the lower original index.
+    """
+    scores = saliency.detach().to("cpu", torch.float64)
+    num_experts = scores.numel()
+    groups = n_group if n_group and n_group > 1 else 1
+    size = num_experts // groups
+    per = keep // groups
+    kept: list[int] = []
+    for g in range(groups):
+        grp = scores[g * size : (g + 1) * size]
+        # stable sort by descending score: ties keep index order (lower first)
+        order = torch.sort(-grp, stable=True).indices[:per]
+        kept.extend(sorted(int(i) + g * size for i in order))
+    return kept
+
+
+def retained_mass(saliency: torch.Tensor, kept: list[int]) -> float:
+    """Fraction of the layer's total saliency held by ``kept`` (1.0 for an all-zero layer)."""
+    scores = saliency.detach().to("cpu", torch.float64)
+    total = float(scores.sum())
+    if total == 0.0:
+        return 1.0
+    return float(scores[kept].sum()) / total
+
+
+@dataclass
+class PruningPlan:
+    """Kept original expert ids per MoE layer, plus how they were chosen.
+
+    :param kept: layer name -> ascending kept original ids (position = new id)
+    :param num_experts: experts per layer before pruning
+    :param saliency: criterion name the ranking used
+    :param params: parameters (sparsity / keep / divisible_by / ...)
+    :param retained: layer name -> retained saliency mass (fraction)
+    """
+
+    kept: dict[str, list[int]]
+    num_experts: int
+    saliency: str = "reap"
+    params: dict = field(default_factory=dict)
+    retained: dict[str, float] = field(default_factory=dict)
+    ties: dict[str, int] = field(default_factory=dict)
+    never_routed: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def num_kept(self) -> int:
+        counts = {len(v) for v in self.kept.values()}
+        if len(counts) != 1:
+            raise PlanError(f"plan keeps different counts per layer: {sorted(counts)}")
+        return counts.pop()
+
+    def remap(self, layer: str) -> dict[int, int]:
+        """old id -> new id for one layer."""
+        return {old: new for new, old in enumerate(self.kept[layer])}
+
+    def validate(self) -> "PruningPlan":
+        if not self.kept:
+            raise PlanError("plan holds no layers")
+        n = self.num_kept
+        for layer, ids in self.kept.items():
+            if list(ids) != sorted(set(ids)):
+                raise PlanError(f"plan layer {layer!r}: kept ids must be ascending and unique")
+            if ids and not (0 <= ids[0] and ids[-1] < self.num_experts):
+                raise PlanError(
+                    f"plan layer {layer!r}: ids outside [0, {self.num_experts})"
+                )
+        if n == 0:
+            raise PlanError("plan keeps no experts")
+        return self
+
+    @classmethod
+    def from_saliency(
+        cls,
+        saliency: dict[str, torch.Tensor],
+        keep: KeepCount,
+        *,
+        criterion: str,
+        n_group: int | None = None,
+        params: dict | None = None,
+        counts: dict[str, torch.Tensor] | None = None,
+    ) -> "PruningPlan":
+        """Cut every layer of ``saliency`` at ``keep`` (counts mark never-routed experts)."""
+        kept, retained, ties, never = {}, {}, {}, {}
+        for layer, scores in saliency.items():
+            ids = select_experts(scores, keep.keep, n_group)
+            kept[layer] = ids
+            retained[layer] = retained_mass(scores, ids)
+            # ties straddling the cut: equal scores on both sides of it
+            s = scores.to(torch.float64)
+            kept_mask = torch.zeros(s.numel(), dtype=torch.bool)
+            kept_mask[ids] = True
+            if (~kept_mask).any():
+                boundary = float(s[kept_mask].min())
+                ties[layer] = int(((s == boundary) & ~kept_mask).sum())
+            if counts is not None:
+                never[layer] = (counts[layer] == 0).nonzero().flatten().tolist()
+        n_ties = sum(ties.values())
+        if n_ties:
+            logger.warning(
+                f"REAP: {n_ties} experts tied with the last kept score across "
+                f"{sum(1 for v in ties.values() if v)} layers; lower index kept"
+            )
+        n_never = sum(len(v) for v in never.values())
+        if n_never:
+            logger.warning(
+                f"REAP: {n_never} (layer, expert) pairs were never routed during "
+                "calibration; they score 0 and are dropped first. More calibration "
+                "data gives them support."
+            )
+        all_params = {
+            "num_experts_to_keep": keep.keep,
+            "requested_keep": keep.requested,
+            "adjustments": list(keep.adjustments),
+        }
+        all_params.update(params or {})
+        return cls(
+            kept=kept,
+            num_experts=keep.num_experts,
+            saliency=criterion,
+            params=all_params,
+            retained=retained,
+            ties={k: v for k, v in ties.items() if v},
+            never_routed={k: v for k, v in never.items() if v},
+        ).validate()
+
+    # -- io ----------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "num_experts": self.num_experts,
+            "num_kept": self.num_kept,
+            "saliency": self.saliency,
+            "params": self.params,
+            "kept": self.kept,
+            "retained_saliency_mass": self.retained,
+            "ties_at_cut": self.ties,
+            "never_routed": self.never_routed,
+        }
+
+    def save(self, path: str | os.PathLike) -> Path:
+        return write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PruningPlan":
+        if data.get("format") != PLAN_FORMAT:
+            raise PlanError(f"not a REAP plan (format {data.get('format')!r})")
+        if data.get("version") != PLAN_VERSION:
+            raise PlanError(f"plan version {data.get('version')!r} is not supported")
+        try:
+            return cls(
+                kept={k: [int(i) for i in v] for k, v in data["kept"].items()},
+                num_experts=int(data["num_experts"]),
+                saliency=data.get("saliency", "unknown"),
+                params=data.get("params", {}),
+                retained=data.get("retained_saliency_mass", {}),
+                ties=data.get("ties_at_cut", {}),
+                never_routed=data.get("never_routed", {}),
+            ).validate()
+        except KeyError as exc:
+            raise PlanError(f"plan lacks field {exc}") from exc
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "PruningPlan":
+        path = Path(path)
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError as exc:
+            raise PlanError(f"plan file {path} does not exist") from exc
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan file {path} is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+
+# -- cutting a scores file ------------------------------------------------------------
+
+
+def _group_args(metadata: dict) -> tuple[int, int | None, int | None]:
+    top_k = metadata.get("top_k")
+    if top_k is None:
+        logger.warning(
+            "scores metadata has no top_k; the keep count is only checked against 1"
+        )
+        top_k = 1
+    return int(top_k), metadata.get("n_group"), metadata.get("topk_group")
+
+
+def keep_count_for_scores(
+    scores,
+    *,
+    sparsity: float | None = None,
+    num_experts_to_keep: int | None = None,
+    divisible_by: int | None = None,
+) -> KeepCount:
+    """The keep-count rule with ``num_experts``, ``top_k`` and groups taken from the
+    metadata of ``scores`` (an :class:`~reap_modifier.scores.ExpertScores`)."""
+    top_k, n_group, topk_group = _group_args(scores.metadata)
+    return compute_keep_count(
+        scores.num_experts,
+        top_k,
+        sparsity=sparsity,
+        num_experts_to_keep=num_experts_to_keep,
+        divisible_by=divisible_by,
+        n_group=n_group,
+        topk_group=topk_group,
+    )
+
+
+def _grouped(metadata: dict) -> int | None:
+    n_group, topk_group = metadata.get("n_group"), metadata.get("topk_group")
+    if n_group and n_group > 1 and (topk_group or n_group) < n_group:
+        return int(n_group)
+    return None
+
+
+def plan_from_scores(
+    scores,
+    *,
+    sparsity: float | None = None,
+    num_experts_to_keep: int | None = None,
+    divisible_by: int | None = None,
+    saliency: str | None = None,
+    params: dict | None = None,
+) -> PruningPlan:
+    """Cut a scores file into a :class:`PruningPlan` (what ``reap cut`` does).
+
+    The same keep-count rule as the modifier (``top_k``, ``n_group``, ``topk_group``
+    from the scores metadata); ``saliency=None`` means the file's default (``reap``
+    for calibration files, the method of a baseline file).
+    """
+    name = saliency or scores.default_saliency
+    keep = keep_count_for_scores(
+        scores,
+        sparsity=sparsity,
+        num_experts_to_keep=num_experts_to_keep,
+        divisible_by=divisible_by,
+    )
+    sal = scores.saliency(name)
+    counts = None
+    if all("count" in st for st in scores.layers.values()):
+        counts = {layer: st["count"] for layer, st in scores.layers.items()}
+    all_params = {
+        "sparsity": sparsity,
+        "num_experts_to_keep_requested": num_experts_to_keep,
+        "divisible_by": divisible_by,
+        "top_k": scores.metadata.get("top_k"),
+        "n_group": scores.metadata.get("n_group"),
+        "topk_group": scores.metadata.get("topk_group"),
+        "model_class": scores.metadata.get("model_class"),
+        "scores_kind": scores.kind,
+    }
+    all_params.update(params or {})
+    return PruningPlan.from_saliency(
+        sal,
+        keep,
+        criterion=name,
+        n_group=_grouped(scores.metadata),
+        params=all_params,
+        counts=counts,
+    )

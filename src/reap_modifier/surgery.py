@@ -1,0 +1,121 @@
+"""In-memory surgery: apply a :class:`PruningPlan` to a loaded model.
+
+Per MoE layer: keep the planned experts (ascending original order, renumbered
+0..n-1), slice the router's weight / bias / ``e_score_correction_bias`` rows
+(keeping Parameter vs buffer), update every module attribute that mirrors the expert
+count, and finally the count keys of the (text) config.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from compressed_tensors import align_module_device
+from compressed_tensors.offload.utils import to_tensor
+from loguru import logger
+from torch import nn
+
+from .adapters import MODULE_COUNT_ATTRS, MoEArchitecture, MoELayer
+from .plan import PlanError, PruningPlan
+
+__all__ = ["apply_plan", "prune_layer", "update_config_counts"]
+
+_ROUTER_ROW_TENSORS = ("weight", "bias", "e_score_correction_bias")
+
+
+def _select_rows(module: nn.Module, attr: str, index: torch.Tensor, num_experts: int) -> None:
+    """Replace ``module.<attr>`` by its rows ``index``, keeping Parameter vs buffer."""
+    current = getattr(module, attr, None)
+    if not isinstance(current, torch.Tensor) or current.dim() == 0:
+        return
+    if current.shape[0] != num_experts:
+        return
+    with align_module_device(module):
+        live = getattr(module, attr)
+        rows = live.detach().index_select(0, index.to(live.device)).contiguous()
+    if isinstance(current, nn.Parameter):
+        setattr(module, attr, nn.Parameter(rows, requires_grad=current.requires_grad))
+    else:
+        # buffers: `to_tensor` keeps offloaded buffers offloaded
+        setattr(module, attr, to_tensor(rows, current))
+
+
+def _update_module_counts(module: nn.Module, new_count: int, old_count: int) -> None:
+    for key in MODULE_COUNT_ATTRS:
+        if getattr(module, key, None) == old_count and isinstance(getattr(module, key), int):
+            setattr(module, key, new_count)
+    if getattr(module, "out_features", None) == old_count:
+        module.out_features = new_count
+
+
+def _prune_fused_experts(experts: nn.Module, index: torch.Tensor, num_experts: int) -> None:
+    """Fused 3-D experts: every direct parameter/buffer with a leading expert dim."""
+    for name, _ in list(experts.named_parameters(recurse=False)) + list(
+        experts.named_buffers(recurse=False)
+    ):
+        _select_rows(experts, name, index, num_experts)
+
+
+def _prune_module_list(experts: nn.ModuleList, kept: list[int], num_experts: int) -> None:
+    """Per-expert modules: keep the planned ones (objects reused, so offload state stays)."""
+    modules = list(experts._modules.items())
+    expert_mods = modules[:num_experts]
+    rest = modules[num_experts:]  # e.g. LinearExperts2D's trailing act_fn
+    new = OrderedDict((str(i), expert_mods[old][1]) for i, old in enumerate(kept))
+    new.update(rest)
+    experts._modules = new
+
+
+def prune_layer(layer: MoELayer, kept: list[int], num_experts: int) -> None:
+    """Prune one MoE block in place to the experts ``kept`` (ascending original ids)."""
+    index = torch.tensor(kept, dtype=torch.long)
+    experts = layer.experts
+    if isinstance(experts, nn.ModuleList):
+        _prune_module_list(experts, kept, num_experts)
+    else:
+        _prune_fused_experts(experts, index, num_experts)
+    router = layer.router
+    for attr in _ROUTER_ROW_TENSORS:
+        _select_rows(router, attr, index, num_experts)
+    # some families keep the correction bias on the block itself
+    _select_rows(layer.block, "e_score_correction_bias", index, num_experts)
+    for module in (layer.block, router, experts):
+        _update_module_counts(module, len(kept), num_experts)
+
+
+def update_config_counts(config, keys: list[str], new_count: int) -> None:
+    for key in keys:
+        old = getattr(config, key, None)
+        setattr(config, key, new_count)
+        logger.info(f"REAP: {type(config).__name__}.{key}: {old} -> {new_count}")
+
+
+def apply_plan(model: nn.Module, arch: MoEArchitecture, plan: PruningPlan) -> None:
+    """Apply ``plan`` to every MoE layer of ``model`` and update the config counts.
+
+    :raises PlanError: the plan does not cover exactly the model's MoE layers or its
+        expert count differs from the model's
+    """
+    if plan.num_experts != arch.num_experts:
+        raise PlanError(
+            f"plan was made for {plan.num_experts} experts per layer, the model has "
+            f"{arch.num_experts}"
+        )
+    names = set(arch.layer_names)
+    missing = sorted(names - set(plan.kept))
+    extra = sorted(set(plan.kept) - names)
+    if missing or extra:
+        raise PlanError(
+            f"plan layers do not match the model's MoE layers: missing {missing[:4]}, "
+            f"unknown {extra[:4]}"
+        )
+    plan.validate()
+    for layer in arch.layers:
+        prune_layer(layer, plan.kept[layer.name], arch.num_experts)
+    update_config_counts(arch.config, arch.count_keys, plan.num_kept)
+    arch.num_experts = plan.num_kept
+    logger.info(
+        f"REAP: pruned {len(arch.layers)} MoE layers to {plan.num_kept} of "
+        f"{plan.num_experts} experts"
+    )
