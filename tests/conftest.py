@@ -1,0 +1,54 @@
+"""Shared fixtures: a word-level tokenizer, calibration datasets, saved tiny models."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)
+
+
+def make_tokenizer(vocab: int = 128):
+    """A word-level tokenizer over tokens ``t0..t{vocab-1}`` (oneshot needs a processor)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t0")
+
+
+def make_dataset(samples: list[torch.Tensor]):
+    """A tokenized ``datasets.Dataset`` from 1-D id tensors."""
+    from datasets import Dataset
+
+    ids = [s.tolist() for s in samples]
+    return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]})
+
+
+def calibration_samples(vocab: int = 128, n: int = 6, seq: int = 12, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (seq,), generator=gen) for _ in range(n)]
+
+
+def save_and_reload(model, family: str, path: Path):
+    """Save a tiny model and load it back, so ``name_or_path`` points at a directory
+    (``oneshot`` re-reads the config from there)."""
+    from tiny_models import reload_class
+
+    model.save_pretrained(path)
+    cls = reload_class(family)
+    reloaded = cls.from_pretrained(path, dtype=model.dtype)
+    return reloaded.eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
