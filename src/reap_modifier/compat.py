@@ -14,7 +14,12 @@ from loguru import logger
 
 from .adapters import COUNT_KEYS
 
-__all__ = ["install", "register_kimi_auto_classes", "fix_saved_expert_counts"]
+__all__ = [
+    "fix_saved_expert_counts",
+    "install",
+    "register_kimi_auto_classes",
+    "repack_linearized_experts",
+]
 
 _INSTALLED = False
 
@@ -107,11 +112,62 @@ def register_kimi_auto_classes() -> None:
             pass
 
 
+def repack_linearized_experts(model) -> int:
+    """Pack experts that llm-compressor linearized *after loading* back into the
+    model's native fused experts module; returns how many were repacked.
+
+    Why: ``oneshot`` linearizes fused MoE experts post-load (``LinearExperts2D``) and
+    saves them under ``experts.{e}.gate_proj/up_proj/down_proj`` names. That happens
+    to be the checkpoint format of Qwen3-MoE / OLMoE / DeepSeek-V3 / GLM4-MoE, but not
+    of Mixtral (``w1/w2/w3``) or GPT-OSS (fused): transformers then loads those
+    experts as random weights. Repacking lets transformers' own save conversion
+    write each family's native names. Quantized experts are left alone: their
+    compressed-tensors format is per-expert 2-D by design.
+    """
+    from llmcompressor.modeling.moe.linearize import get_linearized_moes
+
+    repacked = 0
+    for name, experts in get_linearized_moes(model):
+        if getattr(experts, "_source_experts_cls", None) is None:
+            continue  # loaded linearized through conversion mappings: saves correctly
+        if any(hasattr(m, "quantization_scheme") for m in experts.modules()):
+            continue
+        model.set_submodule(name, experts.to_experts_module())
+        repacked += 1
+    if repacked:
+        logger.info(f"REAP: repacked {repacked} linearized experts modules for saving")
+    return repacked
+
+
+def _patch_gpt_oss_repack() -> None:
+    """Why: llm-compressor 0.14.0.1 ``GptOssExpertMLP`` de-interleaves GPT-OSS's fused
+    ``gate_up_proj`` (gate = even columns, up = odd) on linearization but inherits the
+    generic *halves* layout for the inverse, so a repacked GPT-OSS model computes
+    garbage. Install the matching inverse.
+    """
+    from llmcompressor.modeling.moe.gpt_oss import GptOssExpertMLP
+
+    if getattr(GptOssExpertMLP.copy_to_experts_module, "_reap_patched", False):
+        return
+
+    def copy_to_experts_module(self, experts, index: int) -> None:
+        experts.gate_up_proj[index, :, 0::2].copy_(self.gate_proj.weight.T)
+        experts.gate_up_proj[index, :, 1::2].copy_(self.up_proj.weight.T)
+        experts.down_proj[index].copy_(self.down_proj.weight.T)
+        experts.gate_up_proj_bias[index, 0::2].copy_(self.gate_proj.bias)
+        experts.gate_up_proj_bias[index, 1::2].copy_(self.up_proj.bias)
+        experts.down_proj_bias[index].copy_(self.down_proj.bias)
+
+    copy_to_experts_module._reap_patched = True
+    GptOssExpertMLP.copy_to_experts_module = copy_to_experts_module
+
+
 def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
     _patch_resave_config()
+    _patch_gpt_oss_repack()
     _drop_broken_lazy_aliases()
     try:
         register_kimi_auto_classes()

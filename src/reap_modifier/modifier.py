@@ -172,6 +172,7 @@ class REAPPruningModifier(Modifier):
         self.remove_hooks()
         if self._plan is None:
             self._decide_and_prune(state.model)
+        compat.repack_linearized_experts(state.model)
         return True
 
     # -- decision ------------------------------------------------------------------------

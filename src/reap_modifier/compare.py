@@ -1,0 +1,611 @@
+"""Compare expert rankings: keep/drop flips, retained mass, promoted experts.
+
+Given rankings ``A, B, C, ...`` (scores files, usually calibrated on growing or
+different corpora) and a keep count ``N``, for every pair ``(X, Y)`` with ``X``
+listed before ``Y``:
+
+- **flips**: kept slots whose expert changes, ``|kept_Y \\ kept_X|`` per layer
+  (= ``|kept_X \\ kept_Y|``, both keep ``N``); as a percentage of the kept slots
+  (``layers x N``, the seed's denominator). ``changed_status = 2 x flips`` counts
+  the (layer, expert) slots whose keep/drop status differs, as a percentage of all
+  ``layers x E`` slots (the two percentages coincide at 50%).
+- **retained mass**: the layer-mean fraction of a saliency kept by a plan; for each
+  pair both rankings' own mass and each saliency under the other ranking's plan.
+- **promoted experts** (kept by ``Y``, dropped by ``X``) and **demoted** ones
+  (kept by ``X``, dropped by ``Y``). With per-token routing rates for two or more
+  calibration sources (``rate_s = count@s / tokens[s]``, from per-source files or
+  from the per-source counts a merged file carries), for each source pair
+  ``(a, b)``: the fraction of promoted experts routed at least ``1.5x`` more often
+  per token by ``b`` than by ``a`` (and by ``a`` than ``b``), against the same
+  fraction over all experts. Their **support** (routed tokens) relative to the
+  median of their layer: in ``X``'s own counts and per source.
+
+The pair ``A -> B`` (more of the same corpus) is the noise floor; ``B -> C`` (a
+new corpus) measured against it is the corpus effect (the seed's table).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from itertools import combinations
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .fileio import write_json_atomic
+from .plan import KeepCount, _grouped, keep_count_for_scores
+from .scores import KIND_CALIBRATION, SOURCE_PREFIX, ExpertScores, ScoresError
+from .tiers import jsonable
+
+__all__ = [
+    "RATIO_THRESHOLD",
+    "Ranking",
+    "compare_rankings",
+    "compare_markdown",
+    "kept_mask",
+    "plot_flips",
+    "plot_routing_ratio",
+    "write_compare_report",
+]
+
+#: "routed at least 1.5x more often per token"
+RATIO_THRESHOLD = 1.5
+
+
+@dataclass
+class Ranking:
+    """One ranking to compare.
+
+    :param label: short name used in tables (``A``, ``B``, ...)
+    :param scores: its scores file
+    :param corpus: corpus label (``en``, ``en+zh``); default: the sources in the
+        file's token counts joined by ``+``
+    :param saliency: criterion; default the file's own (``reap`` / baseline method)
+    """
+
+    label: str
+    scores: ExpertScores
+    path: str | None = None
+    corpus: str | None = None
+    saliency: str | None = None
+
+    def corpus_label(self) -> str:
+        if self.corpus:
+            return self.corpus
+        sources = list(self.scores.source_tokens())
+        return "+".join(sources) if sources else (self.scores.method or "?")
+
+    def corpus_parts(self) -> set[str]:
+        return {p for p in self.corpus_label().split("+") if p}
+
+
+def kept_mask(saliency: np.ndarray, keep: int, n_group: int | None = None) -> np.ndarray:
+    """``[L, E]`` bool: the ``keep`` highest per layer (per group when grouped), ties to
+    the lower index — the same selection as :func:`reap_modifier.plan.select_experts`."""
+    num_layers, num_experts = saliency.shape
+    groups = n_group if n_group and n_group > 1 else 1
+    size, per = num_experts // groups, keep // groups
+    grouped = saliency.reshape(num_layers, groups, size)
+    order = np.argsort(-grouped, axis=2, kind="stable")[:, :, :per]
+    mask = np.zeros((num_layers, groups, size), dtype=bool)
+    np.put_along_axis(mask, order, True, axis=2)
+    return mask.reshape(num_layers, num_experts)
+
+
+def _stack(sal: dict[str, torch.Tensor], layers: list[str]) -> np.ndarray:
+    return np.stack([sal[name].detach().to("cpu", torch.float64).numpy() for name in layers])
+
+
+def _mass(sal: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+    """Per-layer retained fraction (None when the saliency has negative values)."""
+    if (sal < 0).any():
+        return None
+    total = sal.sum(axis=1)
+    kept = np.where(mask, sal, 0.0).sum(axis=1)
+    return np.where(total > 0, kept / np.where(total > 0, total, 1.0), 1.0)
+
+
+def _mean(x: np.ndarray | None) -> float | None:
+    return None if x is None else float(x.mean())
+
+
+def _check_compatible(items: list[tuple[str, ExpertScores]]) -> list[str]:
+    """Same expert count, top-k, model and layer set; return the common layer order."""
+    label0, first = items[0]
+    layers = first.layer_names
+    for label, s in items[1:]:
+        if s.num_experts != first.num_experts:
+            raise ScoresError(
+                f"cannot compare {label0} and {label}: different expert counts "
+                f"({first.num_experts} != {s.num_experts}); rankings must come from the same model"
+            )
+        for key in ("top_k", "model_class"):
+            a, b = first.metadata.get(key), s.metadata.get(key)
+            if a is not None and b is not None and a != b:
+                raise ScoresError(f"cannot compare {label0} and {label}: {key} {a!r} != {b!r}")
+        if set(s.layers) != set(layers):
+            only_a = sorted(set(layers) - set(s.layers))[:4]
+            only_b = sorted(set(s.layers) - set(layers))[:4]
+            raise ScoresError(
+                f"cannot compare {label0} and {label}: different MoE layers (missing from "
+                f"{label}: {only_a}; missing from {label0}: {only_b})"
+            )
+    return layers
+
+
+def _routing_rates(
+    rankings: list[Ranking], per_source: dict[str, ExpertScores] | None, layers: list[str]
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Per-source per-token routing rates ``[L, E]`` and where each came from."""
+    rates: dict[str, np.ndarray] = {}
+    origin: dict[str, str] = {}
+    if per_source:
+        for src, s in per_source.items():
+            if s.kind != KIND_CALIBRATION:
+                raise ScoresError(f"per-source file for {src!r} is not a calibration file")
+            rates[src] = _stack(s.routing_rate(None), layers)
+            origin[src] = f"per-source file ({s.total_tokens()} tokens)"
+        return rates, origin
+    best: dict[str, tuple[int, Ranking]] = {}
+    for r in rankings:
+        if r.scores.kind != KIND_CALIBRATION:
+            continue
+        for src, n in r.scores.source_tokens().items():
+            has = all(SOURCE_PREFIX + src in st for st in r.scores.layers.values())
+            if has and n > 0 and n > best.get(src, (0, None))[0]:
+                best[src] = (n, r)
+    for src, (n, r) in best.items():
+        rates[src] = _stack(r.scores.routing_rate(src), layers)
+        origin[src] = f"count@{src} of ranking {r.label} ({n} tokens)"
+    return rates, origin
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """``num / den`` with x/0 = inf (x > 0) and 0/0 = NaN."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1.0),
+                        np.where(num > 0, np.inf, np.nan))
+
+
+def _frac(mask: np.ndarray, sel: np.ndarray) -> float | None:
+    n = int(sel.sum())
+    return None if n == 0 else float((mask & sel).sum() / n)
+
+
+def _support_summary(values: np.ndarray, sel: np.ndarray) -> dict:
+    """Support of selected experts relative to the median of their layer."""
+    med = np.median(values, axis=1, keepdims=True)
+    rel = _ratio(values, np.broadcast_to(med, values.shape))
+    rel_sel = rel[sel]
+    finite = rel_sel[np.isfinite(rel_sel)]
+    n = int(sel.sum())
+    return {
+        "n": n,
+        "median_ratio_to_layer_median": float(np.median(finite)) if finite.size else None,
+        "mean_ratio_to_layer_median": float(finite.mean()) if finite.size else None,
+        "frac_below_layer_median": (float((values[sel] < np.broadcast_to(med, values.shape)[sel]).mean())
+                                    if n else None),
+        "frac_below_half_layer_median": (
+            float((values[sel] < 0.5 * np.broadcast_to(med, values.shape)[sel]).mean())
+            if n else None),
+        "frac_never_routed": float((values[sel] == 0).mean()) if n else None,
+    }
+
+
+def _tokens_added(x: Ranking, y: Ranking) -> dict[str, int]:
+    tx, ty = x.scores.source_tokens(), y.scores.source_tokens()
+    return {s: ty.get(s, 0) - tx.get(s, 0) for s in sorted(set(tx) | set(ty))
+            if ty.get(s, 0) != tx.get(s, 0)}
+
+
+def compare_rankings(
+    rankings: list[Ranking],
+    keep: int | None = None,
+    *,
+    sparsity: float | None = None,
+    divisible_by: int | None = None,
+    saliency: str | None = None,
+    per_source: dict[str, ExpertScores] | None = None,
+    threshold: float = RATIO_THRESHOLD,
+) -> dict:
+    """Compare every pair of rankings at one keep count; return a JSON-ready dict.
+
+    ``saliency`` applies to calibration files (default ``reap``); baseline files
+    always rank by their own method. ``per_source`` maps a source name to a scores
+    file calibrated on that source alone (routing rates for the promoted-expert
+    analysis); without it, per-source counts in the rankings' files are used.
+    """
+    if len(rankings) < 2:
+        raise ScoresError("compare needs at least two rankings")
+    labels = [r.label for r in rankings]
+    if len(set(labels)) != len(labels):
+        raise ScoresError(f"ranking labels must be unique: {labels}")
+    items = [(r.label, r.scores) for r in rankings]
+    items += [(f"per-source {k}", v) for k, v in (per_source or {}).items()]
+    layers = _check_compatible(items)
+    first = rankings[0].scores
+    keep_count: KeepCount = keep_count_for_scores(
+        first, sparsity=sparsity, num_experts_to_keep=keep, divisible_by=divisible_by
+    )
+    k = keep_count.keep
+    n_group = _grouped(first.metadata)
+    num_layers, num_experts = len(layers), first.num_experts
+
+    sal: dict[str, np.ndarray] = {}
+    masks: dict[str, np.ndarray] = {}
+    crit: dict[str, str] = {}
+    for r in rankings:
+        name = r.saliency or (r.scores.method if r.scores.kind != KIND_CALIBRATION else None) \
+            or saliency or r.scores.default_saliency
+        crit[r.label] = name
+        sal[r.label] = _stack(r.scores.saliency(name), layers)
+        masks[r.label] = kept_mask(sal[r.label], k, n_group)
+
+    rates, rate_origin = _routing_rates(rankings, per_source, layers)
+    sources = list(rates)
+
+    ranking_info = []
+    for r in rankings:
+        own = _mass(sal[r.label], masks[r.label])
+        ranking_info.append({
+            "label": r.label,
+            "path": r.path,
+            "corpus": r.corpus_label(),
+            "kind": r.scores.kind,
+            "saliency": crit[r.label],
+            "tokens": r.scores.source_tokens(),
+            "total_tokens": r.scores.total_tokens(),
+            "retained_mass": _mean(own),
+            "retained_mass_per_layer": own,
+        })
+
+    pairs = []
+    for i, j in combinations(range(len(rankings)), 2):
+        x, y = rankings[i], rankings[j]
+        mx, my = masks[x.label], masks[y.label]
+        promoted = my & ~mx
+        demoted = mx & ~my
+        flips_layer = promoted.sum(axis=1)
+        flips = int(flips_layer.sum())
+        mass = {
+            "own_earlier": _mean(_mass(sal[x.label], mx)),
+            "own_later": _mean(_mass(sal[y.label], my)),
+            "earlier_saliency_under_later_plan": _mean(_mass(sal[x.label], my)),
+            "later_saliency_under_earlier_plan": _mean(_mass(sal[y.label], mx)),
+            "per_layer_own_earlier": _mass(sal[x.label], mx),
+            "per_layer_own_later": _mass(sal[y.label], my),
+        }
+        added = sorted(y.corpus_parts() - x.corpus_parts())
+        pair = {
+            "earlier": x.label,
+            "later": y.label,
+            "consecutive": j == i + 1,
+            "change": (f"+{'+'.join(added)}" if added else "more of the same corpus"
+                       if x.corpus_parts() == y.corpus_parts() else
+                       f"{x.corpus_label()} -> {y.corpus_label()}"),
+            "added_corpora": added,
+            "tokens_added": _tokens_added(x, y),
+            "flips": flips,
+            "kept_slots": num_layers * k,
+            "pct_of_kept_slots": 100.0 * flips / (num_layers * k),
+            "changed_status": 2 * flips,
+            "all_slots": num_layers * num_experts,
+            "pct_of_all_slots": 100.0 * 2 * flips / (num_layers * num_experts),
+            "flips_per_layer": flips_layer,
+            "pct_per_layer": 100.0 * flips_layer / k,
+            "mass": mass,
+            "promoted": {name: np.nonzero(promoted[li])[0] for li, name in enumerate(layers)},
+            "demoted": {name: np.nonzero(demoted[li])[0] for li, name in enumerate(layers)},
+        }
+        # support in the earlier ranking's own counts
+        support = {}
+        if x.scores.kind == KIND_CALIBRATION:
+            cx = _stack({n: st["count"] for n, st in x.scores.layers.items()}, layers)
+            support["earlier_count"] = {
+                "promoted": _support_summary(cx, promoted),
+                "demoted": _support_summary(cx, demoted),
+                "all": _support_summary(cx, np.ones_like(promoted)),
+            }
+        for src in sources:
+            support[f"rate@{src}"] = {
+                "promoted": _support_summary(rates[src], promoted),
+                "demoted": _support_summary(rates[src], demoted),
+                "all": _support_summary(rates[src], np.ones_like(promoted)),
+            }
+        pair["support"] = support
+        routing = []
+        for a, b in combinations(sources, 2):
+            ratio = _ratio(rates[b], rates[a])  # rate_b / rate_a
+            more_b = ratio >= threshold
+            with np.errstate(divide="ignore"):
+                more_a = ratio <= 1.0 / threshold
+            allsel = np.ones_like(promoted)
+            routing.append({
+                "a": a,
+                "b": b,
+                "threshold": threshold,
+                "promoted_frac_more_by_b": _frac(more_b, promoted),
+                "promoted_frac_more_by_a": _frac(more_a, promoted),
+                "demoted_frac_more_by_b": _frac(more_b, demoted),
+                "demoted_frac_more_by_a": _frac(more_a, demoted),
+                "all_frac_more_by_b": _frac(more_b, allsel),
+                "all_frac_more_by_a": _frac(more_a, allsel),
+                "promoted_median_log2_ratio": (
+                    float(np.median(np.log2(ratio[promoted & (ratio > 0) & np.isfinite(ratio)])))
+                    if (promoted & (ratio > 0) & np.isfinite(ratio)).any() else None),
+                "all_median_log2_ratio": (
+                    float(np.median(np.log2(ratio[(ratio > 0) & np.isfinite(ratio)])))
+                    if ((ratio > 0) & np.isfinite(ratio)).any() else None),
+                "unrouted_by_both": int(np.isnan(ratio).sum()),
+            })
+        pair["routing"] = routing
+        pairs.append(pair)
+
+    consecutive = [p for p in pairs if p["consecutive"]]
+    floor = consecutive[0]["flips"] if consecutive else None
+    for p in pairs:
+        p["x_first_pair"] = (p["flips"] / floor) if floor else None
+
+    return {
+        "keep": k,
+        "keep_rule": {
+            "requested": keep_count.requested,
+            "adjustments": list(keep_count.adjustments),
+            "sparsity": sparsity,
+            "divisible_by": divisible_by,
+            "n_group": n_group,
+        },
+        "num_experts": num_experts,
+        "num_layers": num_layers,
+        "layers": layers,
+        "threshold": threshold,
+        "rankings": ranking_info,
+        "routing_sources": {s: rate_origin[s] for s in sources},
+        "pairs": pairs,
+    }
+
+
+# -- report ---------------------------------------------------------------------------
+
+
+def _pct(x: float | None, d: int = 1) -> str:
+    return "n/a" if x is None else f"{100 * x:.{d}f}%"
+
+
+def _tok(n: int) -> str:
+    return f"{n / 1e6:.2f} M" if abs(n) >= 100_000 else f"{n:,}"
+
+
+def compare_markdown(result: dict) -> str:
+    k, L, E = result["keep"], result["num_layers"], result["num_experts"]
+    out = [
+        "# Ranking comparison",
+        "",
+        f"Keep {k} of {E} experts in each of {L} MoE layers ({L * k:,} kept slots).",
+        "",
+        "| ranking | corpus | tokens | saliency | retained mass at keep |",
+        "|---|---|---:|---|---:|",
+    ]
+    for r in result["rankings"]:
+        toks = ", ".join(f"{s} {_tok(n)}" for s, n in r["tokens"].items()) or "-"
+        out.append(
+            f"| {r['label']} | {r['corpus']} | {toks} | {r['saliency']} | "
+            f"{_pct(r['retained_mass'])} |"
+        )
+    out += [
+        "",
+        "## Keep/drop flips",
+        "",
+        "A flip is a kept slot whose expert changes (promoted = kept by the later ranking, "
+        "dropped by the earlier; there are as many demoted). `x first` divides by the first "
+        "consecutive pair (the noise floor when it adds more of the same corpus).",
+        "",
+        "| change | tokens added | flips | % of kept slots | % of all slots | x first |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for p in result["pairs"]:
+        added = ", ".join(f"{'+' if n > 0 else ''}{_tok(n)} {s}" for s, n in p["tokens_added"].items()) or "-"
+        xf = "n/a" if p["x_first_pair"] is None else f"{p['x_first_pair']:.2f}x"
+        out.append(
+            f"| {p['earlier']} -> {p['later']}: {p['change']} | {added} | {p['flips']:,} | "
+            f"{p['pct_of_kept_slots']:.2f}% | {p['pct_of_all_slots']:.2f}% | {xf} |"
+        )
+    out += [
+        "",
+        "Per layer (% of kept slots): "
+        + "; ".join(
+            f"{p['earlier']}->{p['later']} min {min(p['pct_per_layer']):.1f}, median "
+            f"{float(np.median(p['pct_per_layer'])):.1f}, max {max(p['pct_per_layer']):.1f}"
+            for p in result["pairs"]
+        ),
+        "",
+        "![flips per layer](flips_per_layer.png)",
+        "",
+        "## Retained saliency mass",
+        "",
+        "| pair | earlier, own | later, own | earlier's saliency under later plan | "
+        "later's saliency under earlier plan |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for p in result["pairs"]:
+        m = p["mass"]
+        out.append(
+            f"| {p['earlier']} -> {p['later']} | {_pct(m['own_earlier'])} | "
+            f"{_pct(m['own_later'])} | {_pct(m['earlier_saliency_under_later_plan'])} | "
+            f"{_pct(m['later_saliency_under_earlier_plan'])} |"
+        )
+    out += ["", "## Promoted experts", ""]
+    if not result["routing_sources"]:
+        out.append(
+            "No per-source routing counts were available (give `--per-source en=S1 zh=S2` or "
+            "rankings whose files carry per-source counts), so the routing-ratio view is skipped."
+        )
+    else:
+        out.append(
+            "Per-token routing rate of source s: routed count on s / tokens of s. Sources: "
+            + "; ".join(f"{s}: {o}" for s, o in result["routing_sources"].items()) + "."
+        )
+        out += [
+            "",
+            f"| pair | sources a / b | promoted | promoted >= {result['threshold']:g}x more by b | "
+            f"all experts >= {result['threshold']:g}x more by b | promoted >= "
+            f"{result['threshold']:g}x more by a | all experts >= {result['threshold']:g}x more by a |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for p in result["pairs"]:
+            for r in p["routing"]:
+                out.append(
+                    f"| {p['earlier']} -> {p['later']} | {r['a']} / {r['b']} | {p['flips']:,} | "
+                    f"{_pct(r['promoted_frac_more_by_b'])} | {_pct(r['all_frac_more_by_b'])} | "
+                    f"{_pct(r['promoted_frac_more_by_a'])} | {_pct(r['all_frac_more_by_a'])} |"
+                )
+        out += ["", "![routing ratio](routing_ratio.png)"]
+    out += [
+        "",
+        "Support of promoted experts (routed tokens) relative to the median expert of their "
+        "layer (1.0 = median):",
+        "",
+        "| pair | support measured in | promoted: median ratio | promoted below median | "
+        "demoted: median ratio | all: below median |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for p in result["pairs"]:
+        for where, s in p["support"].items():
+            label = f"{p['earlier']}'s counts" if where == "earlier_count" else where
+            med = s["promoted"]["median_ratio_to_layer_median"]
+            dmed = s["demoted"]["median_ratio_to_layer_median"]
+            out.append(
+                f"| {p['earlier']} -> {p['later']} | {label} | "
+                f"{'n/a' if med is None else f'{med:.2f}'} | "
+                f"{_pct(s['promoted']['frac_below_layer_median'])} | "
+                f"{'n/a' if dmed is None else f'{dmed:.2f}'} | "
+                f"{_pct(s['all']['frac_below_layer_median'])} |"
+            )
+    rule = result["keep_rule"]
+    out += [
+        "",
+        "## Definitions",
+        "",
+        f"- keep {result['keep']} (requested {rule['requested']}"
+        + (f"; {'; '.join(rule['adjustments'])}" if rule["adjustments"] else "") + "); "
+        "selection as `reap cut`: highest saliency per layer, ties to the lower index"
+        + (f", equal count per group (n_group={rule['n_group']})" if rule["n_group"] else "") + ".",
+        "- retained mass: layer mean of kept saliency / layer saliency.",
+        f"- routed >= {result['threshold']:g}x more often by b: rate_b / rate_a >= "
+        f"{result['threshold']:g} (an expert routed by b but never by a counts; never routed "
+        "by either does not).",
+        "- every number is in compare.json.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def _layer_axis(layers: list[str]) -> tuple[np.ndarray, str]:
+    from .baselines import layer_number
+
+    nums = [layer_number(n) for n in layers]
+    if len(set(nums)) == len(nums) and max(nums) < 10_000:
+        return np.array(nums), "layer number"
+    return np.arange(len(layers)), "MoE layer (position)"
+
+
+def plot_flips(result: dict, path: str | os.PathLike) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x, xlabel = _layer_axis(result["layers"])
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for i, p in enumerate(result["pairs"]):
+        ax.plot(x, p["pct_per_layer"], marker="o", ms=3, lw=1,
+                ls="-" if p["consecutive"] else ":", color=f"C{i}",
+                label=f"{p['earlier']}->{p['later']} ({p['change']}): {p['pct_of_kept_slots']:.2f}%")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"flips (% of {result['keep']} kept slots)")
+    ax.set_title(f"Keep/drop flips per layer at keep {result['keep']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_routing_ratio(result: dict, rates_ratio: list[tuple[str, np.ndarray, np.ndarray]],
+                       path: str | os.PathLike) -> Path | None:
+    """Histogram of log2(rate_b / rate_a): all experts vs promoted, one panel per pair."""
+    if not rates_ratio:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(rates_ratio)
+    fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
+    lim = 6.0
+    bins = np.linspace(-lim, lim, 49)
+    t = np.log2(result["threshold"])
+    for ax, (title, ratio, promoted) in zip(axes[0], rates_ratio):
+        with np.errstate(divide="ignore"):
+            lr = np.log2(ratio)
+        lr = np.clip(lr, -lim, lim)  # +-inf -> edges
+        ok = ~np.isnan(lr)
+        ax.hist(lr[ok].ravel(), bins=bins, density=True, alpha=0.45, color="grey", label="all experts")
+        sel = ok & promoted
+        if sel.any():
+            ax.hist(lr[sel].ravel(), bins=bins, density=True, alpha=0.6, color="C3",
+                    label=f"promoted ({int(promoted.sum())})")
+        for v in (-t, t):
+            ax.axvline(v, color="k", ls="--", lw=0.8)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("log2 routing-rate ratio (clipped at +-6)")
+        ax.set_ylabel("density")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_compare_report(
+    result: dict,
+    out_dir: str | os.PathLike,
+    rankings: list[Ranking] | None = None,
+    per_source: dict[str, ExpertScores] | None = None,
+) -> dict[str, Path]:
+    """Write ``compare.md``, ``compare.json``, ``flips_per_layer.png`` and (with routing
+    data) ``routing_ratio.png``. ``rankings``/``per_source`` rebuild the per-expert
+    ratios for the histogram (the JSON keeps the summaries and the promoted ids)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": write_json_atomic(out / "compare.json", jsonable(result))}
+    (out / "compare.md").write_text(compare_markdown(result))
+    paths["markdown"] = out / "compare.md"
+    paths["flips_png"] = plot_flips(result, out / "flips_per_layer.png")
+    panels = []
+    if rankings is not None and result["routing_sources"]:
+        layers = result["layers"]
+        rates, _ = _routing_rates(rankings, per_source, layers)
+        L, E = result["num_layers"], result["num_experts"]
+        for p in result["pairs"]:
+            promoted = np.zeros((L, E), dtype=bool)
+            for li, name in enumerate(layers):
+                promoted[li, p["promoted"][name]] = True
+            for r in p["routing"]:
+                ratio = _ratio(rates[r["b"]], rates[r["a"]])
+                panels.append((
+                    f"{p['earlier']}->{p['later']}: {r['b']}/{r['a']}; promoted >= "
+                    f"{result['threshold']:g}x by {r['b']}: {_pct(r['promoted_frac_more_by_b'])} "
+                    f"(all {_pct(r['all_frac_more_by_b'])})",
+                    ratio, promoted,
+                ))
+    png = plot_routing_ratio(result, panels, out / "routing_ratio.png")
+    if png:
+        paths["routing_png"] = png
+    return paths
