@@ -84,13 +84,15 @@ class LayerAccumulator:
 class _KimiBatch:
     """Per-forward scratch state of one Kimi block."""
 
-    __slots__ = ("ids", "weights", "calibrate_all", "norms")
+    __slots__ = ("ids", "weights", "calibrate_all", "rows")
 
     def __init__(self, ids, weights, calibrate_all):
         self.ids = ids
         self.weights = weights
         self.calibrate_all = calibrate_all
-        self.norms: list[torch.Tensor] = []
+        # routed: expert outputs in dispatch order (one norm kernel per layer);
+        # calibrate-all: per-expert norms over all tokens (outputs would be E x N x D)
+        self.rows: list[torch.Tensor] = []
 
 
 class SaliencyObserver:
@@ -171,7 +173,7 @@ class SaliencyObserver:
     def _kimi_expert(self, name: str, module, args: tuple, output: torch.Tensor):
         batch = self._pending.get(name)
         if batch is not None:
-            batch.norms.append(_norms64(output))
+            batch.rows.append(_norms64(output) if batch.calibrate_all else output)
 
     def _kimi_block(self, name: str, module, args: tuple, output: Any):
         batch: _KimiBatch | None = self._pending.pop(name, None)
@@ -181,12 +183,16 @@ class SaliencyObserver:
         n, k = ids.shape
         if batch.calibrate_all:
             # moe_train: every expert saw all n tokens, in expert order
-            full = torch.stack(batch.norms)  # [E, n]
+            full = torch.stack(batch.rows)  # [E, n] norms
             tokens = torch.arange(n, device=full.device).unsqueeze(1).expand(n, k)
             norms = full[ids.to(full.device, torch.long), tokens]
         else:
             # moe_infer: experts with tokens, ascending, fed the argsort order of flat ids
-            flat = torch.cat(batch.norms) if batch.norms else torch.empty(0, dtype=torch.float64)
+            flat = (
+                _norms64(torch.cat(batch.rows))
+                if batch.rows
+                else torch.empty(0, dtype=torch.float64)
+            )
             if flat.numel() != n * k:
                 raise RuntimeError(
                     f"REAP observer: {name} dispatched {flat.numel()} expert rows for "
