@@ -19,7 +19,7 @@ from llmcompressor.modeling.moe.context import get_calibrate_all_experts_flag
 from llmcompressor.modifiers import Modifier
 from llmcompressor.modifiers.factory import ModifierFactory
 
-from . import compat
+from . import compat, distributed
 from .adapters import MoEArchitecture, find_moe_architecture
 from .fileio import sha256_file, write_json_atomic
 from .manifest import build_manifest
@@ -87,6 +87,7 @@ class REAPPruningModifier(Modifier):
     _observer: SaliencyObserver | None = PrivateAttr(default=None)
     _plan: PruningPlan | None = PrivateAttr(default=None)
     _scores: ExpertScores | None = PrivateAttr(default=None)
+    _cpu_group: object | None = PrivateAttr(default=None)
 
     # -- validation (before any model work) -----------------------------------------
 
@@ -146,6 +147,7 @@ class REAPPruningModifier(Modifier):
             if path is not None:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._observer = SaliencyObserver(arch, self.register_hook)
+        self._cpu_group = distributed.make_cpu_group()
         logger.info(
             f"REAP: {arch.model_class}: {len(arch.layers)} MoE layers x "
             f"{arch.num_experts} experts (top-{arch.top_k}); keeping {self._keep.keep} "
@@ -173,6 +175,11 @@ class REAPPruningModifier(Modifier):
         if self._plan is None:
             self._decide_and_prune(state.model)
         compat.repack_linearized_experts(state.model)
+        if self._cpu_group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(group=self._cpu_group)
+            self._cpu_group = None
         return True
 
     # -- decision ------------------------------------------------------------------------
@@ -180,6 +187,8 @@ class REAPPruningModifier(Modifier):
     def _decide_and_prune(self, model: torch.nn.Module) -> None:
         arch = self._arch
         self._observer.reset_pending()
+        # data parallel: every rank holds the global sums before any decision
+        distributed.reduce_accumulators(self._observer.accumulators, self._cpu_group)
         scores = self._observer.to_scores(
             self.calibration_source,
             metadata={"model_fingerprint": router_fingerprint(arch)},
@@ -190,7 +199,7 @@ class REAPPruningModifier(Modifier):
                 "REAP observed no tokens: no calibration data reached the MoE layers. "
                 "Pass a dataset to oneshot (num_calibration_samples > 0)."
             )
-        if self.scores_path is not None:
+        if self.scores_path is not None and distributed.is_source_process():
             scores.save(self.scores_path)
             logger.info(f"REAP: wrote scores to {self.scores_path}")
 
@@ -203,10 +212,14 @@ class REAPPruningModifier(Modifier):
             params=self._plan_params(),
             counts=counts,
         )
+        # identical on every rank by construction; rank 0's ids are broadcast anyway
+        plan.kept = distributed.broadcast_kept(
+            plan.kept, arch.layer_names, self._keep.keep, self._cpu_group
+        )
         self._plan = plan
-        num_before = arch.num_experts
         apply_plan(model, arch, plan)
-        self._write_outputs(plan, num_before)
+        if distributed.is_source_process():
+            self._write_outputs(plan)
 
     def _plan_params(self) -> dict:
         return {
@@ -217,7 +230,7 @@ class REAPPruningModifier(Modifier):
             "tokens": self._scores.metadata.get("tokens") if self._scores else None,
         }
 
-    def _write_outputs(self, plan: PruningPlan, num_before: int) -> None:
+    def _write_outputs(self, plan: PruningPlan) -> None:
         if self.report_path is not None:
             write_json_atomic(self.report_path, plan.kept)
         if self.manifest_path is not None:
