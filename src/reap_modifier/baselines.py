@@ -51,6 +51,7 @@ __all__ = [
     "baseline_saliency",
     "baseline_scores",
     "layer_number",
+    "model_fingerprint",
     "read_checkpoint_config",
     "read_router_weights",
     "router_fingerprint",
@@ -143,6 +144,15 @@ def router_fingerprint(router_weights: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def model_fingerprint(router_weights: dict[str, torch.Tensor]) -> str:
+    """The modifier's ``model_fingerprint``: sha256 of the first MoE layer's router weight
+    as float32 bytes (first = lowest layer number), so weights files and calibrated files
+    of the same model can be matched."""
+    first = min(router_weights, key=lambda n: (layer_number(n), n))
+    weight = router_weights[first].detach().to("cpu", torch.float32).contiguous()
+    return hashlib.sha256(weight.numpy().tobytes()).hexdigest()
+
+
 def baseline_scores(
     method: str,
     router_weights: dict[str, torch.Tensor],
@@ -163,6 +173,7 @@ def baseline_scores(
         "num_experts": sizes.pop(),
         "num_moe_layers": len(sal),
         "router_fingerprint": router_fingerprint(router_weights),
+        "model_fingerprint": model_fingerprint(router_weights),
     }
     if method == "random":
         meta["seed"] = int(seed)

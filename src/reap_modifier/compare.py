@@ -27,7 +27,7 @@ new corpus) measured against it is the corpus effect (the seed's table).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
 
@@ -74,10 +74,14 @@ class Ranking:
     def corpus_label(self) -> str:
         if self.corpus:
             return self.corpus
+        if self.scores.kind != KIND_CALIBRATION:
+            return "none (weights)"
         sources = list(self.scores.source_tokens())
-        return "+".join(sources) if sources else (self.scores.method or "?")
+        return "+".join(sources) if sources else "?"
 
     def corpus_parts(self) -> set[str]:
+        if self.scores.kind != KIND_CALIBRATION and not self.corpus:
+            return set()
         return {p for p in self.corpus_label().split("+") if p}
 
 
@@ -121,10 +125,15 @@ def _check_compatible(items: list[tuple[str, ExpertScores]]) -> list[str]:
                 f"cannot compare {label0} and {label}: different expert counts "
                 f"({first.num_experts} != {s.num_experts}); rankings must come from the same model"
             )
-        for key in ("top_k", "model_class"):
+        for key in ("top_k", "model_class", "model_fingerprint"):
             a, b = first.metadata.get(key), s.metadata.get(key)
             if a is not None and b is not None and a != b:
-                raise ScoresError(f"cannot compare {label0} and {label}: {key} {a!r} != {b!r}")
+                what = "router weight fingerprints differ" if key == "model_fingerprint" \
+                    else f"{key} {a!r} != {b!r}"
+                raise ScoresError(
+                    f"cannot compare {label0} and {label}: {what}; rankings must come from "
+                    "the same model"
+                )
         if set(s.layers) != set(layers):
             only_a = sorted(set(layers) - set(s.layers))[:4]
             only_b = sorted(set(s.layers) - set(layers))[:4]
@@ -278,13 +287,19 @@ def compare_rankings(
             "per_layer_own_later": _mass(sal[y.label], my),
         }
         added = sorted(y.corpus_parts() - x.corpus_parts())
+        if crit[x.label] != crit[y.label] or KIND_CALIBRATION not in (x.scores.kind, y.scores.kind):
+            change = f"{crit[x.label]} ({x.corpus_label()}) vs {crit[y.label]} ({y.corpus_label()})"
+        elif added:
+            change = f"+{'+'.join(added)}"
+        elif x.corpus_parts() == y.corpus_parts():
+            change = "more of the same corpus"
+        else:
+            change = f"{x.corpus_label()} -> {y.corpus_label()}"
         pair = {
             "earlier": x.label,
             "later": y.label,
             "consecutive": j == i + 1,
-            "change": (f"+{'+'.join(added)}" if added else "more of the same corpus"
-                       if x.corpus_parts() == y.corpus_parts() else
-                       f"{x.corpus_label()} -> {y.corpus_label()}"),
+            "change": change,
             "added_corpora": added,
             "tokens_added": _tokens_added(x, y),
             "flips": flips,
@@ -523,6 +538,9 @@ def plot_flips(result: dict, path: str | os.PathLike) -> Path:
         ax.plot(x, p["pct_per_layer"], marker="o", ms=3, lw=1,
                 ls="-" if p["consecutive"] else ":", color=f"C{i}",
                 label=f"{p['earlier']}->{p['later']} ({p['change']}): {p['pct_of_kept_slots']:.2f}%")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(f"flips (% of {result['keep']} kept slots)")
     ax.set_title(f"Keep/drop flips per layer at keep {result['keep']}")

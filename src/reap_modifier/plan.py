@@ -164,7 +164,7 @@ def select_experts(
         grp = scores[g * size : (g + 1) * size]
         # stable sort by descending score: ties keep index order (lower first)
         order = torch.sort(-grp, stable=True).indices[:per]
-        kept.extend(sorted(int(i) + g * size for i in order))
+        kept.extend((torch.sort(order).values + g * size).tolist())
     return kept
 
 
@@ -174,7 +174,7 @@ def retained_mass(saliency: torch.Tensor, kept: list[int]) -> float:
     total = float(scores.sum())
     if total == 0.0:
         return 1.0
-    return float(scores[kept].sum()) / total
+    return float(scores[torch.as_tensor(kept, dtype=torch.long)].sum()) / total
 
 
 @dataclass
