@@ -21,11 +21,12 @@ from llmcompressor.modifiers.factory import ModifierFactory
 
 from . import compat, distributed
 from .adapters import MoEArchitecture, find_moe_architecture
+from .baselines import baseline_saliency, baseline_scores, model_fingerprint
 from .fileio import sha256_file, write_json_atomic
 from .manifest import build_manifest
 from .observer import SaliencyObserver
 from .plan import KeepCount, PruningPlan, compute_keep_count
-from .scores import ExpertScores
+from .scores import BASELINE_METHODS, ExpertScores
 from .surgery import apply_plan
 
 __all__ = ["REAPPruningModifier"]
@@ -33,7 +34,15 @@ __all__ = ["REAPPruningModifier"]
 compat.install()
 
 SaliencyName = Literal[
-    "reap", "frequency", "weighted_frequency", "ean", "ean_mean", "max_norm"
+    "reap",
+    "frequency",
+    "weighted_frequency",
+    "ean",
+    "ean_mean",
+    "max_norm",
+    "router_l1",
+    "router_signed_sum",
+    "random",
 ]
 
 
@@ -60,6 +69,14 @@ class REAPPruningModifier(Modifier):
     :param scores_path: write the raw per-layer statistics (safetensors + metadata)
     :param manifest_path: write ``pruning_manifest.json``
     :param calibration_source: label of the calibration corpus (per-source counts)
+    :param scores_in: cut from a precomputed scores file instead of calibrating
+    :param plan_in: apply a precomputed plan (``reap cut`` output) instead of calibrating
+    :param seed: seed of the ``random`` baseline
+
+    The calibration-free baselines ``router_l1`` (compressed-tensors'
+    MagnitudeExpertPruner criterion), ``router_signed_sum`` and ``random`` rank experts
+    from the router weights alone; with them, ``scores_in`` or ``plan_in`` the model is
+    pruned in ``on_initialize`` and no calibration data is needed.
 
     Example recipe::
 
@@ -81,6 +98,9 @@ class REAPPruningModifier(Modifier):
     scores_path: Optional[str] = None
     manifest_path: Optional[str] = None
     calibration_source: str = "default"
+    scores_in: Optional[str] = None
+    plan_in: Optional[str] = None
+    seed: int = 0
 
     _arch: MoEArchitecture | None = PrivateAttr(default=None)
     _keep: KeepCount | None = PrivateAttr(default=None)
@@ -119,21 +139,67 @@ class REAPPruningModifier(Modifier):
             raise ValueError(f"scores_path must end with .safetensors, got {v}")
         return v
 
+    @field_validator("scores_in", "plan_in")
+    @classmethod
+    def _check_input_exists(cls, v: Optional[str], info) -> Optional[str]:
+        if v is not None and not Path(v).is_file():
+            raise ValueError(f"{info.field_name} {v!r} does not exist")
+        return v
+
     @model_validator(mode="after")
     def _check_keep_spec(self) -> "REAPPruningModifier":
-        if (self.sparsity is None) == (self.num_experts_to_keep is None):
+        if self.plan_in is not None:
+            given = [
+                name
+                for name in ("sparsity", "num_experts_to_keep", "divisible_by", "scores_in")
+                if getattr(self, name) is not None
+            ]
+            if given:
+                raise ValueError(
+                    f"plan_in fixes the kept experts; remove {', '.join(given)}"
+                )
+        elif (self.sparsity is None) == (self.num_experts_to_keep is None):
             raise ValueError(
                 "give exactly one of `sparsity` (fraction to drop) or "
                 "`num_experts_to_keep`"
                 + (" (both were given)" if self.sparsity is not None else "")
             )
+        if self.scores_in is not None and self.saliency in BASELINE_METHODS:
+            raise ValueError(
+                f"saliency {self.saliency!r} is computed from router weights; drop "
+                "scores_in or choose a calibrated saliency"
+            )
+        if not self.calibrates and self.scores_path is not None and self.saliency not in BASELINE_METHODS:
+            raise ValueError(
+                "scores_path writes calibration statistics, but with scores_in/plan_in "
+                "nothing is calibrated; remove scores_path"
+            )
+        self.requires_calibration_data = self.calibrates
         return self
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether this modifier observes calibration data (else it prunes on initialize)."""
+        return (
+            self.plan_in is None
+            and self.scores_in is None
+            and self.saliency not in BASELINE_METHODS
+        )
 
     # -- lifecycle -------------------------------------------------------------------
 
     def on_initialize(self, state: State, **kwargs) -> bool:
         self._arch = find_moe_architecture(state.model, self.ignore)
         arch = self._arch
+        for path in (self.report_path, self.scores_path, self.manifest_path):
+            if path is not None:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._cpu_group = distributed.make_cpu_group()
+        if self.plan_in is not None:
+            plan = PruningPlan.load(self.plan_in)
+            logger.info(f"REAP: applying plan {self.plan_in} ({plan.num_kept} experts per layer)")
+            self._apply(state.model, plan)
+            return True
         self._keep = compute_keep_count(
             arch.num_experts,
             arch.top_k,
@@ -143,20 +209,21 @@ class REAPPruningModifier(Modifier):
             n_group=arch.n_group if arch.group_limited else None,
             topk_group=arch.topk_group if arch.group_limited else None,
         )
-        for path in (self.report_path, self.scores_path, self.manifest_path):
-            if path is not None:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._observer = SaliencyObserver(arch, self.register_hook)
-        self._cpu_group = distributed.make_cpu_group()
         logger.info(
             f"REAP: {arch.model_class}: {len(arch.layers)} MoE layers x "
             f"{arch.num_experts} experts (top-{arch.top_k}); keeping {self._keep.keep} "
             f"per layer by {self.saliency!r}"
         )
+        if self.scores_in is not None:
+            self._cut_from_file(state.model)
+        elif self.saliency in BASELINE_METHODS:
+            self._cut_from_weights(state.model)
+        else:
+            self._observer = SaliencyObserver(arch, self.register_hook)
         return True
 
     def on_calibration_start(self, state: State, event: Event, **kwargs) -> None:
-        if self._plan is not None:
+        if self._plan is not None or self._observer is None:
             return
         if get_calibrate_all_experts_flag():
             logger.info(
@@ -191,7 +258,7 @@ class REAPPruningModifier(Modifier):
         distributed.reduce_accumulators(self._observer.accumulators, self._cpu_group)
         scores = self._observer.to_scores(
             self.calibration_source,
-            metadata={"model_fingerprint": router_fingerprint(arch)},
+            metadata={"model_fingerprint": self._fingerprint()},
         )
         self._scores = scores
         if scores.total_tokens() == 0:
@@ -202,10 +269,51 @@ class REAPPruningModifier(Modifier):
         if self.scores_path is not None and distributed.is_source_process():
             scores.save(self.scores_path)
             logger.info(f"REAP: wrote scores to {self.scores_path}")
-
         counts = {name: stats["count"] for name, stats in scores.layers.items()}
+        self._cut(model, scores.saliency(self.saliency), counts)
+
+    def _cut_from_file(self, model: torch.nn.Module) -> None:
+        """``scores_in``: the same cut, from statistics computed elsewhere."""
+        arch = self._arch
+        scores = ExpertScores.load(self.scores_in)
+        if scores.num_experts != arch.num_experts:
+            raise ValueError(
+                f"scores_in {self.scores_in} holds {scores.num_experts} experts per layer; "
+                f"the model has {arch.num_experts}"
+            )
+        if set(scores.layer_names) != set(arch.layer_names):
+            missing = sorted(set(arch.layer_names) - set(scores.layer_names))[:3]
+            raise ValueError(
+                f"scores_in {self.scores_in} does not cover the model's MoE layers "
+                f"(missing e.g. {missing}); were the scores made from this model?"
+            )
+        theirs = scores.metadata.get("model_fingerprint")
+        if theirs and theirs != self._fingerprint():
+            raise ValueError(
+                f"scores_in {self.scores_in} was computed on a model with different "
+                "router weights (model_fingerprint mismatch)"
+            )
+        self._scores = scores
+        counts = {n: s["count"] for n, s in scores.layers.items() if "count" in s}
+        self._cut(model, scores.saliency(self.saliency), counts or None)
+
+    def _cut_from_weights(self, model: torch.nn.Module) -> None:
+        """Calibration-free baselines from the router weights alone."""
+        weights = self._router_weights()
+        saliency = baseline_saliency(self.saliency, weights, seed=self.seed)
+        if self.scores_path is not None and distributed.is_source_process():
+            baseline_scores(self.saliency, weights, seed=self.seed).save(self.scores_path)
+        self._cut(model, saliency, None)
+
+    def _cut(
+        self,
+        model: torch.nn.Module,
+        saliency: dict[str, torch.Tensor],
+        counts: dict[str, torch.Tensor] | None,
+    ) -> None:
+        arch = self._arch
         plan = PruningPlan.from_saliency(
-            scores.saliency(self.saliency),
+            saliency,
             self._keep,
             criterion=self.saliency,
             n_group=arch.n_group if arch.group_limited else None,
@@ -216,17 +324,34 @@ class REAPPruningModifier(Modifier):
         plan.kept = distributed.broadcast_kept(
             plan.kept, arch.layer_names, self._keep.keep, self._cpu_group
         )
+        self._apply(model, plan)
+
+    def _apply(self, model: torch.nn.Module, plan: PruningPlan) -> None:
         self._plan = plan
-        apply_plan(model, arch, plan)
+        apply_plan(model, self._arch, plan)
         if distributed.is_source_process():
             self._write_outputs(plan)
+
+    def _router_weights(self) -> dict[str, torch.Tensor]:
+        from compressed_tensors import align_module_device
+
+        weights = {}
+        for layer in self._arch.layers:
+            with align_module_device(layer.router):
+                weights[layer.name] = layer.router.weight.detach().to("cpu").clone()
+        return weights
+
+    def _fingerprint(self) -> str:
+        return model_fingerprint(self._router_weights())
 
     def _plan_params(self) -> dict:
         return {
             "sparsity": self.sparsity,
             "num_experts_to_keep_requested": self.num_experts_to_keep,
             "divisible_by": self.divisible_by,
-            "calibration_source": self.calibration_source,
+            "calibration_source": self.calibration_source if self.calibrates else None,
+            "scores_in": self.scores_in,
+            "seed": self.seed if self.saliency == "random" else None,
             "tokens": self._scores.metadata.get("tokens") if self._scores else None,
         }
 
@@ -234,12 +359,14 @@ class REAPPruningModifier(Modifier):
         if self.report_path is not None:
             write_json_atomic(self.report_path, plan.kept)
         if self.manifest_path is not None:
+            scores_file = self.scores_in or self.scores_path
             scores_ref = None
-            if self.scores_path is not None:
-                scores_ref = {"path": str(self.scores_path), "sha256": sha256_file(self.scores_path)}
+            if scores_file is not None and Path(scores_file).is_file():
+                scores_ref = {"path": str(scores_file), "sha256": sha256_file(scores_file)}
+            source = "plan " + str(self.plan_in) if self.plan_in else f"saliency {plan.saliency}"
             manifest = build_manifest(
                 plan,
-                method="REAP (in-memory surgery, llm-compressor oneshot)",
+                method=f"REAP modifier, in-memory surgery ({source})",
                 model_class=self._arch.model_class,
                 count_key=self._arch.count_keys[0],
                 scores=scores_ref,
@@ -259,14 +386,6 @@ class REAPPruningModifier(Modifier):
     @property
     def architecture(self) -> MoEArchitecture | None:
         return self._arch
-
-
-def router_fingerprint(arch: MoEArchitecture) -> str:
-    """sha256 over the first MoE layer's router weight (identifies the model in files)."""
-    import hashlib
-
-    weight = arch.layers[0].router.weight.detach().to("cpu", torch.float32).contiguous()
-    return hashlib.sha256(weight.numpy().tobytes()).hexdigest()
 
 
 def _register() -> None:
