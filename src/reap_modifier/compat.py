@@ -15,6 +15,7 @@ from loguru import logger
 from .adapters import COUNT_KEYS
 
 __all__ = [
+    "decompress_loaded_model",
     "fix_saved_expert_counts",
     "install",
     "register_kimi_auto_classes",
@@ -160,6 +161,23 @@ def _patch_gpt_oss_repack() -> None:
 
     copy_to_experts_module._reap_patched = True
     GptOssExpertMLP.copy_to_experts_module = copy_to_experts_module
+
+
+def decompress_loaded_model(model) -> bool:
+    """Decompress a model that ``from_pretrained`` left compressed; returns whether it did.
+
+    Why: compressed-tensors decompresses on the *model's* first forward (a pre-hook on
+    the top module), but llm-compressor's sequential pipeline calls decoder-layer
+    subgraphs directly, so the hook never fires and calibration meets packed weights
+    (``'Linear' object has no attribute 'weight'``). Run that same hook now.
+    """
+    handle = getattr(model, "ct_decompress_hook", None)
+    hook = model._forward_pre_hooks.get(handle.id) if handle is not None else None
+    if hook is None:
+        return False
+    logger.info("REAP: decompressing the compressed-tensors model before calibration")
+    hook(model, ())
+    return True
 
 
 def install() -> None:

@@ -22,6 +22,7 @@ from llmcompressor.modifiers.factory import ModifierFactory
 from . import compat, distributed
 from .adapters import MoEArchitecture, find_moe_architecture
 from .baselines import baseline_saliency, baseline_scores, model_fingerprint
+from .compressed_save import compressed_source, route_save_through_rewriter
 from .fileio import sha256_file, write_json_atomic
 from .manifest import build_manifest
 from .observer import SaliencyObserver
@@ -189,6 +190,7 @@ class REAPPruningModifier(Modifier):
     # -- lifecycle -------------------------------------------------------------------
 
     def on_initialize(self, state: State, **kwargs) -> bool:
+        compat.decompress_loaded_model(state.model)
         self._arch = find_moe_architecture(state.model, self.ignore)
         arch = self._arch
         for path in (self.report_path, self.scores_path, self.manifest_path):
@@ -241,7 +243,7 @@ class REAPPruningModifier(Modifier):
         self.remove_hooks()
         if self._plan is None:
             self._decide_and_prune(state.model)
-        compat.repack_linearized_experts(state.model)
+        self._choose_save_path(state.model)
         if self._cpu_group is not None:
             import torch.distributed as dist
 
@@ -343,6 +345,23 @@ class REAPPruningModifier(Modifier):
 
     def _fingerprint(self) -> str:
         return model_fingerprint(self._router_weights())
+
+    def _choose_save_path(self, model: torch.nn.Module) -> None:
+        """Bit-exact rewrite of a compressed source when only REAP ran, else the
+        regular save (with linearized experts repacked so every family reloads)."""
+        source = compressed_source(model)
+        if source is not None and self._plan is not None:
+            from llmcompressor.core import active_session
+
+            recipe = active_session().lifecycle.recipe
+            others = [
+                type(m).__name__
+                for m in (recipe.modifiers if recipe is not None else [])
+                if not isinstance(m, REAPPruningModifier)
+            ]
+            if route_save_through_rewriter(model, self._plan, source, other_modifiers=others):
+                return
+        compat.repack_linearized_experts(model)
 
     def _plan_params(self) -> dict:
         return {

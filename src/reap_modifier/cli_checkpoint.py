@@ -1,0 +1,197 @@
+"""``reap prune`` and ``reap verify``: checkpoint commands of the ``reap`` CLI.
+
+Every input is checked before any expensive work (hashing, copying): the scores
+file or plan, the keep count, the plan against the checkpoint (layers, counts,
+top-k, groups) and the destination.  Bad input exits with code 2 and one line
+saying what to change; a failed verification exits with code 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+__all__ = ["register", "build_plan_from_scores"]
+
+
+def _die(msg: str, code: int = 2) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(code)
+
+
+def build_plan_from_scores(
+    scores_path: Path,
+    layout,
+    *,
+    keep: int | None,
+    sparsity: float | None,
+    divisible_by: int | None,
+    saliency: str,
+):
+    """Cut a plan from a scores file with the keep-count rule, checked against ``layout``.
+
+    The checkpoint's config is authoritative for top-k and groups; the scores
+    metadata must agree with it where it states them.
+    """
+    from .checkpoint import CheckpointError
+    from .plan import PruningPlan, compute_keep_count
+    from .scores import ExpertScores
+
+    scores = ExpertScores.load(scores_path)
+    meta = scores.metadata
+    E = layout.num_experts
+    if scores.num_experts != E:
+        raise CheckpointError(
+            f"scores file is for {scores.num_experts} experts per layer, the checkpoint has {E}"
+        )
+    top_k = layout.top_k if layout.top_k is not None else meta.get("top_k")
+    if top_k is None:
+        raise CheckpointError("neither config.json nor the scores file states top-k")
+    if meta.get("top_k") is not None and layout.top_k is not None and int(meta["top_k"]) != layout.top_k:
+        raise CheckpointError(f"scores file has top_k={meta['top_k']}, config.json {layout.top_k}")
+    n_group, topk_group = layout.groups
+    if n_group is None:
+        n_group, topk_group = meta.get("n_group"), meta.get("topk_group")
+    grouped = bool(n_group and n_group > 1 and (topk_group or n_group) < n_group)
+    kc = compute_keep_count(
+        E,
+        int(top_k),
+        sparsity=sparsity,
+        num_experts_to_keep=keep,
+        divisible_by=divisible_by,
+        n_group=n_group,
+        topk_group=topk_group,
+    )
+    sal = scores.saliency(saliency)
+    counts = {layer: stats["count"] for layer, stats in scores.layers.items() if "count" in stats}
+    params = {
+        "sparsity": sparsity,
+        "keep": keep,
+        "divisible_by": divisible_by,
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "top_k": int(top_k),
+    }
+    return PruningPlan.from_saliency(
+        sal,
+        kc,
+        criterion=saliency,
+        n_group=n_group if grouped else None,
+        params=params,
+        counts=counts or None,
+    )
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("prune")
+    def prune(
+        src: Path = typer.Argument(..., help="source checkpoint directory (safetensors, e.g. MXFP4 compressed-tensors)"),
+        out: Path = typer.Option(..., "--out", "-o", help="output directory (written to a temp dir next to it, then renamed)"),
+        scores: Optional[Path] = typer.Option(None, "--scores", help="scores file (safetensors) to cut the plan from"),
+        plan: Optional[Path] = typer.Option(None, "--plan", help="plan.json to apply instead of cutting one"),
+        keep: Optional[int] = typer.Option(None, "--keep", help="experts to keep per layer"),
+        sparsity: Optional[float] = typer.Option(None, "--sparsity", help="fraction of experts to drop, in (0, 1)"),
+        divisible_by: Optional[int] = typer.Option(None, "--divisible-by", help="round the keep count down to a multiple of this"),
+        saliency: str = typer.Option("reap", "--saliency", help="criterion: reap, frequency, weighted_frequency, ean, ean_mean, max_norm"),
+        extra_layers: str = typer.Option(
+            "error",
+            "--extra-layers",
+            help="MoE layers in the checkpoint but not in the plan (e.g. an MTP layer): 'error' or 'like-last' (cut like the deepest plan layer)",
+        ),
+        save_plan: Optional[Path] = typer.Option(None, "--save-plan", help="also write the plan used to this JSON file"),
+        force: bool = typer.Option(False, "--force", help="replace an existing non-empty output (never the source)"),
+        no_hash_source: bool = typer.Option(False, "--no-hash-source", help="skip sha256 of the source shards (faster; manifest then lacks them)"),
+        no_hash_cache: bool = typer.Option(
+            False,
+            "--no-hash-cache",
+            help="rehash every source shard (by default a shard's sha256 is reused while its size/mtime/ctime/inode are unchanged; cache file: $REAP_SHA256_CACHE or ~/.cache/reap-modifier/sha256.json)",
+        ),
+        output_checksum: Optional[str] = typer.Option(
+            None, "--output-checksum", help="checksum recorded per output shard: xxh3_128 (default, fast) or sha256"
+        ),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    ):
+        """Prune routed experts from a checkpoint: kept experts' bytes copied verbatim."""
+        from .checkpoint import CheckpointError, bind_plan, check_destination, inspect_checkpoint, rewrite_checkpoint
+        from .plan import PlanError, PruningPlan
+        from .scores import ScoresError
+
+        if (scores is None) == (plan is None):
+            _die("give exactly one of --scores (with --keep or --sparsity) or --plan")
+        if plan is not None and (keep is not None or sparsity is not None or divisible_by is not None):
+            _die("--keep / --sparsity / --divisible-by cut a plan from --scores; they do not apply to --plan")
+        if scores is not None and (keep is None) == (sparsity is None):
+            _die("with --scores give exactly one of --keep N or --sparsity S")
+        if output_checksum not in (None, "xxh3_128", "sha256"):
+            _die(f"--output-checksum must be xxh3_128 or sha256, got {output_checksum!r}")
+        if extra_layers not in ("error", "like-last"):
+            _die(f"--extra-layers must be 'error' or 'like-last', got {extra_layers!r}")
+        try:
+            layout = inspect_checkpoint(src)
+            if layout.unindexed_files:
+                raise CheckpointError(f"{src}: safetensors file(s) {layout.unindexed_files} are not in the weight index")
+            check_destination(src, out, force=force)
+            if plan is not None:
+                the_plan = PruningPlan.load(plan)
+            else:
+                if not layout.blocks:
+                    raise CheckpointError(f"{src}: no MoE layer in the checkpoint")
+                the_plan = build_plan_from_scores(
+                    scores, layout, keep=keep, sparsity=sparsity, divisible_by=divisible_by, saliency=saliency
+                )
+            spec = bind_plan(layout, the_plan, extra_layers=extra_layers)
+        except (CheckpointError, PlanError, ScoresError) as exc:
+            _die(str(exc))
+        if save_plan is not None:
+            the_plan.save(save_plan)
+        typer.echo(
+            f"pruning {src} -> {out}: {the_plan.num_experts} -> {the_plan.num_kept} experts in "
+            f"{len(spec.block_kept)} MoE layers"
+            + (f" ({len(spec.extra)} cut like {sorted({v['kept_from'] for v in spec.extra.values()})})" if spec.extra else ""),
+            err=True,
+        )
+        try:
+            dst = rewrite_checkpoint(
+                src,
+                the_plan,
+                out,
+                scores_path=scores,
+                force=force,
+                extra_layers=extra_layers,
+                progress=not quiet,
+                hash_source=not no_hash_source,
+                hash_cache=False if no_hash_cache else None,
+                output_checksum=output_checksum,
+                manifest_extra={"cli": {"argv": sys.argv[1:], "plan_file": str(plan) if plan else None}},
+            )
+        except (CheckpointError, PlanError) as exc:
+            _die(str(exc), 1)
+        typer.echo(str(dst))
+
+    @app.command("verify")
+    def verify(
+        dst: Path = typer.Argument(..., help="checkpoint directory to verify (a pruned output)"),
+        source: Optional[Path] = typer.Option(None, "--source", help="the source checkpoint: compare every tensor's sha256"),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    ):
+        """Check a pruned checkpoint: counts, routers, expert indices, manifest, and (with --source) bytes."""
+        from .verify import verify_checkpoint
+
+        report = verify_checkpoint(dst, source=source, progress=not quiet)
+        for w in report.warnings:
+            typer.echo(f"warning: {w}", err=True)
+        if not report.ok:
+            for f in report.failures:
+                typer.echo(f"FAIL: {f}", err=True)
+            typer.echo(f"{dst}: verification FAILED ({len(report.failures)} problem(s))", err=True)
+            raise typer.Exit(1)
+        info = report.info
+        typer.echo(
+            f"{dst}: OK ({info.get('moe_layers')} MoE layers x {info.get('num_experts')} experts, "
+            f"{info.get('tensors')} tensors in {info.get('shards')} shards"
+            + (f", {info.get('tensors_matching_source')} tensors sha256-equal to the source" if info.get("checked_against_source") else "")
+            + ")"
+        )

@@ -1,0 +1,88 @@
+"""The modifier's save path for models loaded from a compressed checkpoint.
+
+After any forward pass the in-memory model is decompressed; llm-compressor's save
+would re-compress it (turning -0 nibbles into +0), and ``oneshot(model=<path>)``
+loads with ``dequantize=True`` and would save bf16 experts. So when the model came
+from a compressed-tensors checkpoint directory and every modifier in the recipe is a
+REAP modifier (nothing else changed weights), ``save_pretrained`` on the model is
+routed through the checkpoint rewriter: the output is written from the *source bytes*
+with the plan applied, stays in the source format (e.g. ``mxfp4-pack-quantized``), and
+kept experts are bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from loguru import logger
+from torch import nn
+
+from .plan import PruningPlan
+
+__all__ = ["compressed_source", "route_save_through_rewriter"]
+
+
+def compressed_source(model: nn.Module) -> Path | None:
+    """The directory the model was loaded from, when it is a compressed-tensors checkpoint."""
+    name = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", "")
+    if not name or not os.path.isdir(name):
+        return None
+    config_path = Path(name) / "config.json"
+    if not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text())
+    for holder in (config, config.get("text_config") or {}):
+        qc = holder.get("quantization_config") or holder.get("compression_config")
+        if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
+            if qc.get("format") not in (None, "dense"):
+                return Path(name)
+    return None
+
+
+def route_save_through_rewriter(
+    model: nn.Module, plan: PruningPlan, source: Path, *, other_modifiers: list[str]
+) -> bool:
+    """Make ``model.save_pretrained(dst)`` write ``dst`` with the rewriter.
+
+    :param other_modifiers: names of non-REAP modifiers in the recipe; when any is
+        present their weight changes live only in memory, so the regular (re-compressing)
+        save is kept and the reason is logged
+    :returns: whether the save was routed through the rewriter
+    """
+    if other_modifiers:
+        logger.warning(
+            f"REAP: the recipe also runs {', '.join(other_modifiers)}, which change weights "
+            "in memory: saving through llm-compressor's compressed save (re-compressed), "
+            f"NOT the bit-exact rewrite of {source}"
+        )
+        return False
+
+    def save_pretrained(save_directory, *args, **kwargs):
+        from .checkpoint import rewrite_checkpoint
+        from .distributed import is_source_process
+
+        if not is_source_process():  # one writer, as llm-compressor's own save
+            return
+
+        logger.info(
+            f"REAP: writing {save_directory} by the bit-exact checkpoint rewrite of "
+            f"{source} (kept experts copied verbatim, format unchanged)"
+        )
+        rewrite_checkpoint(
+            source,
+            plan,
+            save_directory,
+            force=True,  # like save_pretrained: the caller chose this directory
+            method="REAP modifier (oneshot) -> bit-exact checkpoint rewrite",
+            manifest_extra={"saliency": plan.saliency, "plan_parameters": plan.params},
+        )
+
+    save_pretrained._reap_rewriter = True
+    model.save_pretrained = save_pretrained
+    logger.info(
+        f"REAP: model was loaded from the compressed checkpoint {source}; save_pretrained "
+        "will rewrite it from the source bytes"
+    )
+    return True
