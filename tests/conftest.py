@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("REAP_SHA256_CACHE", "0")  # tests never write the user's hash cache
 torch.set_num_threads(1)
 
 

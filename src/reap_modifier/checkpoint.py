@@ -303,7 +303,7 @@ class CheckpointLayout:
     @property
     def model_class(self) -> str | None:
         arch = self.config.get("architectures") or []
-        return arch[0] if arch else None
+        return arch[0] if arch else self.config.get("model_type")
 
     def config_value(self, keys: Iterable[str]):
         for container in (self.config, *(self.config.get(c) for c in COUNT_KEY_CONTAINERS)):
@@ -1107,7 +1107,10 @@ class SourceHasher:
     def bytes_to_hash(self) -> int:
         return sum(self._ids[s]["size"] for s in self.files if s not in self._results)
 
-    def start(self) -> "SourceHasher":
+    def prepare(self) -> "SourceHasher":
+        """Look every shard up in the cache (cheap); :attr:`bytes_to_hash` is then known."""
+        if self._ids:
+            return self
         self._load_cache()
         for shard, path in self.files.items():
             ident = _file_identity(path)
@@ -1116,6 +1119,11 @@ class SourceHasher:
             if hit and all(hit.get(k) == v for k, v in ident.items()):
                 self._results[shard] = hit["sha256"]
                 self.cached.append(shard)
+        return self
+
+    def start(self) -> "SourceHasher":
+        """Start hashing the shards the cache did not answer for."""
+        self.prepare()
         todo = [s for s in self.files if s not in self._results]
         if todo:
             self._pool = ThreadPoolExecutor(min(self.workers, len(todo)), thread_name_prefix="reap-src-sha256")
@@ -1255,6 +1263,15 @@ def _convert(src: Path, tmp: Path, converter: ExpertPlanPruner, *, stream: bool 
                 converter.output_checksums.pop(Path(shard).name, None)
     if converter.spec.layout.index_file is None:
         index_path.unlink(missing_ok=True)
+    # shards written by the stock convert_file (gap 1 swap skipped): checksum them now
+    for path in sorted(tmp.rglob("*.safetensors")):
+        if path.name not in converter.output_bytes:
+            h = new_hasher(converter.output_checksum)
+            with open(path, "rb") as f:
+                while block := f.read(CHUNK_BYTES):
+                    h.update(block)
+            converter.output_checksums[path.name] = h.hexdigest()
+            converter.output_bytes[path.name] = path.stat().st_size
 
 
 @contextlib.contextmanager
@@ -1400,7 +1417,7 @@ def rewrite_checkpoint(
     converter = None
     try:
         if hasher is not None:
-            hasher.start()
+            hasher.prepare()
         if progress:
             from tqdm.auto import tqdm
 
@@ -1414,6 +1431,8 @@ def rewrite_checkpoint(
             bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reap prune", dynamic_ncols=True)
             if hasher is not None:
                 hasher.progress = bar.update
+        if hasher is not None:
+            hasher.start()
         converter = ExpertPlanPruner(spec, progress=bar.update if bar else None, output_checksum=output_checksum)
         _convert(layout.path, tmp, converter)
         source_shards = hasher.result() if hasher is not None else None

@@ -188,9 +188,10 @@ def _load_structure(path: Path, report: VerifyReport, label: str):
         orphans = sorted(set(header.entries) - {n for n, s in weight_map.items() if s == shard})
         for name in orphans:
             report.fail(f"{label}: tensor {name} is in {shard} but not in the index")
+    indexed = set(weight_map.values())
     for p in sorted(path.rglob("*.safetensors")):
         rel = p.relative_to(path).as_posix()
-        if p.is_file() and rel not in set(weight_map.values()):
+        if p.is_file() and rel not in indexed:
             report.fail(f"{label}: safetensors file {rel} is not referenced by the index")
     return config, index_file, weight_map, shards, entries
 
