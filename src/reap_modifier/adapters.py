@@ -29,13 +29,18 @@ __all__ = [
     "find_moe_architecture",
 ]
 
-#: config keys that hold the routed-expert count, per family
-COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# Config keys, shared by everything that reads MoE fields from a config object or a
+# config.json (adapters, checkpoint rewriter, weight baselines).
+#: the routed-expert count, per family
+COUNT_KEYS = ("num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts")
+#: experts per token (``top_k`` last: old configs also carry a sampling ``top_k``)
 TOP_K_KEYS = (
     "num_experts_per_tok",
     "num_experts_per_token",
     "experts_per_token",
     "moe_top_k",
+    "moe_topk",
+    "top_k_experts",
     "top_k",
 )
 N_GROUP_KEYS = ("n_group", "num_expert_group")

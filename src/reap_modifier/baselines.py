@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .adapters import COUNT_KEYS, N_GROUP_KEYS, TOP_K_KEYS, TOPK_GROUP_KEYS
 from .scores import BASELINE_METHODS, KIND_WEIGHTS, ExpertScores, ScoresError
 
 __all__ = [
@@ -62,20 +63,6 @@ __all__ = [
 #: ``shared_expert_gate``: the component before ``weight`` must be exactly gate/router)
 ROUTER_NAME_RE = re.compile(r"^(?P<layer>.+)\.(?:gate|router)\.weight$")
 _LAYER_NUM_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
-# config.json keys (mirrors adapters.py, which reads the same fields from a config object)
-_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-_TOP_K_KEYS = (
-    "num_experts_per_tok",
-    "num_experts_per_token",
-    "experts_per_token",
-    "moe_top_k",
-    "top_k",
-    "top_k_experts",
-)
-_N_GROUP_KEYS = ("n_group", "num_expert_group")
-_TOPK_GROUP_KEYS = ("topk_group", "top_k_group")
-
 
 def layer_number(layer: str) -> int:
     """The layer number in a module path (last ``layers.<n>``), else CRC32 of the path."""
@@ -232,10 +219,10 @@ def read_checkpoint_config(checkpoint: str | os.PathLike) -> dict:
 
     archs = config.get("architectures") or [None]
     return {
-        "num_experts": first(_COUNT_KEYS),
-        "top_k": first(_TOP_K_KEYS),
-        "n_group": first(_N_GROUP_KEYS),
-        "topk_group": first(_TOPK_GROUP_KEYS),
+        "num_experts": first(COUNT_KEYS),
+        "top_k": first(TOP_K_KEYS),
+        "n_group": first(N_GROUP_KEYS),
+        "topk_group": first(TOPK_GROUP_KEYS),
         "model_class": archs[0],
     }
 

@@ -59,6 +59,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 from loguru import logger
 
+from .adapters import COUNT_KEYS, N_GROUP_KEYS, TOP_K_KEYS, TOPK_GROUP_KEYS
 from .fileio import sha256_file, write_json_atomic
 from .manifest import MANIFEST_NAME, build_manifest
 from .plan import PlanError, PruningPlan
@@ -90,19 +91,8 @@ __all__ = [
 
 DEFAULT_METHOD = "REAP (checkpoint rewrite)"
 
-#: config.json keys that hold the routed-expert count (compressed-tensors' list)
-COUNT_KEYS = ("num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts")
 #: nested configs searched for count / top-k / group keys (besides the top level)
 COUNT_KEY_CONTAINERS = ("text_config", "language_config", "llm_config")
-TOP_K_KEYS = (
-    "num_experts_per_tok",
-    "num_experts_per_token",
-    "top_k_experts",
-    "moe_topk",
-    "moe_top_k",
-)
-N_GROUP_KEYS = ("n_group", "num_expert_group")
-TOPK_GROUP_KEYS = ("topk_group",)
 QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")
 #: module names (directly under a MoE block) whose tensors are router rows
 ROUTER_MODULES = ("gate", "router")

@@ -27,24 +27,14 @@ from .fileio import sha256_file, write_json_atomic
 from .manifest import build_manifest
 from .observer import SaliencyObserver
 from .plan import KeepCount, PruningPlan, compute_keep_count
-from .scores import BASELINE_METHODS, ExpertScores
+from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
 from .surgery import apply_plan
 
 __all__ = ["REAPPruningModifier"]
 
 compat.install()
 
-SaliencyName = Literal[
-    "reap",
-    "frequency",
-    "weighted_frequency",
-    "ean",
-    "ean_mean",
-    "max_norm",
-    "router_l1",
-    "router_signed_sum",
-    "random",
-]
+SaliencyName = Literal[SALIENCY_NAMES]  # calibrated statistics + weight baselines
 
 
 class REAPPruningModifier(Modifier):
