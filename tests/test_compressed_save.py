@@ -30,6 +30,19 @@ def k3_mxfp4(tmp_path_factory):
     return build_mxfp4_checkpoint("kimi_k3", root / "src"), root
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_oneshot_path_is_bit_exact_for_other_families(tmp_path, tokenizer, family):
+    fixture = build_mxfp4_checkpoint(family, tmp_path / "src", max_shard_size="200KB")
+    before = tree_sha256(fixture.path)
+    plan = _run_oneshot(str(fixture.path), tmp_path / "dst", tokenizer)
+    assert tree_sha256(fixture.path) == before
+    config = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    assert config[fixture.count_key] == plan.num_kept
+    _check_bit_exact(fixture.path, tmp_path / "dst", plan.kept)
+    assert verify_checkpoint(tmp_path / "dst", source=fixture.path).ok
+
+
 def _run_oneshot(model, dst, tokenizer):
     from llmcompressor import oneshot
 

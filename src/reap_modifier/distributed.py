@@ -15,7 +15,18 @@ from compressed_tensors.distributed import get_source_rank, is_distributed, is_s
 
 from .observer import LayerAccumulator
 
-__all__ = ["broadcast_kept", "is_distributed", "is_source_process", "make_cpu_group", "reduce_accumulators"]
+__all__ = [
+    "broadcast_kept",
+    "is_distributed",
+    "is_source_process",
+    "make_cpu_group",
+    "reduce_accumulators",
+    "world_size",
+]
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
 
 
 def make_cpu_group():

@@ -24,7 +24,7 @@ from .adapters import MoEArchitecture, find_moe_architecture
 from .baselines import baseline_saliency, baseline_scores, model_fingerprint
 from .compressed_save import compressed_source, route_save_through_rewriter
 from .fileio import sha256_file, write_json_atomic
-from .manifest import build_manifest
+from .manifest import build_manifest, tool_versions
 from .observer import SaliencyObserver
 from .plan import KeepCount, PruningPlan, compute_keep_count
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
@@ -250,7 +250,17 @@ class REAPPruningModifier(Modifier):
         distributed.reduce_accumulators(self._observer.accumulators, self._cpu_group)
         scores = self._observer.to_scores(
             self.calibration_source,
-            metadata={"model_fingerprint": self._fingerprint()},
+            metadata={
+                "kind": "calibration",
+                "model_fingerprint": self._fingerprint(),
+                "model_name_or_path": str(getattr(model, "name_or_path", "") or ""),
+                "calibration": {
+                    "source": self.calibration_source,
+                    "world_size": distributed.world_size(),
+                    "moe_calibrate_all_experts": get_calibrate_all_experts_flag(),
+                },
+                "versions": tool_versions(),
+            },
         )
         self._scores = scores
         if scores.total_tokens() == 0:

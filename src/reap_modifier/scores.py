@@ -363,6 +363,13 @@ class ExpertScores:
             tokens[src] = tokens.get(src, 0) + n
         meta["tokens"] = tokens
         meta["runs"] = int(self.metadata.get("runs", 1)) + int(other.metadata.get("runs", 1))
+        # per-run calibration specs, in merge order (a merged file has several)
+        specs = []
+        for part in (self.metadata, other.metadata):
+            spec = part.get("calibration")
+            specs.extend(spec if isinstance(spec, list) else [spec] if spec else [])
+        if specs:
+            meta["calibration"] = specs
         return ExpertScores(layers=layers, metadata=meta)
 
     # -- io ----------------------------------------------------------------------
