@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The main job: install what it needs, then run it on the bundled default model and data.
+# The main job: install what it needs, build the corpora into data/ if missing, then
+# calibrate, prune (bit-exact), verify and evaluate the bundled model -> out/demo/report.md
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-exec .venv/bin/python examples/quickstart_tiny_k3.py "$@"
+exec .venv/bin/python -m reap_modifier.demo "$@"
