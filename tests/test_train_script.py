@@ -166,7 +166,7 @@ def test_script_runs_a_few_steps_on_a_tiny_config(tmp_path):
             assert f"{layer}.experts.{e}.{w}.weight" not in keys
     assert f"{layer}.shared_experts.gate_proj.weight" in keys  # shared expert stays dense
     assert f"{layer}.gate.e_score_correction_bias" in keys
-    assert (out / "tokenizer.json").exists() and (out / "eval_slice.safetensors").exists()
+    assert (out / "tokenizer.json").exists() and (out.parent / f"{out.name}.eval_slice.safetensors").exists()
 
     card = json.loads((out / "model_card.json").read_text())
     assert card["quantization"]["format"] == "mxfp4-pack-quantized"
