@@ -99,6 +99,7 @@ class REAPPruningModifier(Modifier):
     _plan: PruningPlan | None = PrivateAttr(default=None)
     _scores: ExpertScores | None = PrivateAttr(default=None)
     _cpu_group: object | None = PrivateAttr(default=None)
+    _calibrate_all: bool | None = PrivateAttr(default=None)
 
     # -- validation (before any model work) -----------------------------------------
 
@@ -183,13 +184,11 @@ class REAPPruningModifier(Modifier):
         compat.decompress_loaded_model(state.model)
         self._arch = find_moe_architecture(state.model, self.ignore)
         arch = self._arch
-        for path in (self.report_path, self.scores_path, self.manifest_path):
-            if path is not None:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._cpu_group = distributed.make_cpu_group()
         if self.plan_in is not None:
             plan = PruningPlan.load(self.plan_in)
             logger.info(f"REAP: applying plan {self.plan_in} ({plan.num_kept} experts per layer)")
+            self._make_output_dirs()
             self._apply(state.model, plan)
             return True
         self._keep = compute_keep_count(
@@ -206,6 +205,7 @@ class REAPPruningModifier(Modifier):
             f"{arch.num_experts} experts (top-{arch.top_k}); keeping {self._keep.keep} "
             f"per layer by {self.saliency!r}"
         )
+        self._make_output_dirs()  # only once the request is known to be valid
         if self.scores_in is not None:
             self._cut_from_file(state.model)
         elif self.saliency in BASELINE_METHODS:
@@ -214,10 +214,16 @@ class REAPPruningModifier(Modifier):
             self._observer = SaliencyObserver(arch, self.register_hook)
         return True
 
+    def _make_output_dirs(self) -> None:
+        for path in (self.report_path, self.scores_path, self.manifest_path):
+            if path is not None:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+
     def on_calibration_start(self, state: State, event: Event, **kwargs) -> None:
         if self._plan is not None or self._observer is None:
             return
-        if get_calibrate_all_experts_flag():
+        self._calibrate_all = get_calibrate_all_experts_flag()
+        if self._calibrate_all:
             logger.info(
                 "REAP: moe_calibrate_all_experts is on; REAP observes routed tokens only "
                 "(identical scores either way) — turning it off makes calibration cheaper"
@@ -257,7 +263,7 @@ class REAPPruningModifier(Modifier):
                 "calibration": {
                     "source": self.calibration_source,
                     "world_size": distributed.world_size(),
-                    "moe_calibrate_all_experts": get_calibrate_all_experts_flag(),
+                    "moe_calibrate_all_experts": self._calibrate_all,
                 },
                 "versions": tool_versions(),
             },
