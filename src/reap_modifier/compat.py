@@ -13,6 +13,7 @@ import sys
 from loguru import logger
 
 from .adapters import COUNT_KEYS
+from .fileio import write_json_atomic
 
 __all__ = [
     "decompress_loaded_model",
@@ -53,10 +54,7 @@ def fix_saved_expert_counts(config, save_dir: str) -> None:
                     section_saved[key] = section_live[key]
                     changed = True
     if changed:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(saved, f, indent=2, sort_keys=True)
-        os.replace(tmp, path)
+        write_json_atomic(path, saved, indent=2, sort_keys=True)
         logger.info(f"REAP: patched expert counts in {path} (upstream resave_config gap)")
 
 

@@ -19,11 +19,12 @@ def sha256_file(path: str | os.PathLike, chunk: int = 16 << 20) -> str:
     return h.hexdigest()
 
 
-def write_json_atomic(path: str | os.PathLike, data: dict) -> Path:
-    """Write JSON through a temp file in the same directory, then rename."""
+def write_json_atomic(path: str | os.PathLike, data: dict, **dump_kwargs) -> Path:
+    """Write JSON through a temp file in the same directory, then rename
+    (``dump_kwargs`` go to ``json.dumps``; default ``indent=1``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    tmp.write_text(json.dumps(data, **({"indent": 1} | dump_kwargs)))
     os.replace(tmp, path)
     return path

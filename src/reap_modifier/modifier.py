@@ -21,7 +21,7 @@ from llmcompressor.modifiers.factory import ModifierFactory
 
 from . import compat, distributed
 from .adapters import MoEArchitecture, find_moe_architecture
-from .baselines import baseline_saliency, baseline_scores, model_fingerprint
+from .baselines import baseline_saliency, baseline_scores, layer_number, model_fingerprint
 from .compressed_save import compressed_source, route_save_through_rewriter
 from .fileio import sha256_file, write_json_atomic
 from .manifest import build_manifest, tool_versions
@@ -340,17 +340,20 @@ class REAPPruningModifier(Modifier):
         if distributed.is_source_process():
             self._write_outputs(plan)
 
-    def _router_weights(self) -> dict[str, torch.Tensor]:
+    def _router_weights(self, layers=None) -> dict[str, torch.Tensor]:
         from compressed_tensors import align_module_device
 
         weights = {}
-        for layer in self._arch.layers:
+        for layer in layers if layers is not None else self._arch.layers:
             with align_module_device(layer.router):
                 weights[layer.name] = layer.router.weight.detach().to("cpu").clone()
         return weights
 
     def _fingerprint(self) -> str:
-        return model_fingerprint(self._router_weights())
+        # model_fingerprint hashes only the lowest-numbered MoE layer's router: copy
+        # just that one (all routers of a K3 are ~2.4 GB in float32)
+        first = min(self._arch.layers, key=lambda layer: (layer_number(layer.name), layer.name))
+        return model_fingerprint(self._router_weights([first]))
 
     def _choose_save_path(self, model: torch.nn.Module) -> None:
         """Bit-exact rewrite of a compressed source when only REAP ran, else the
