@@ -32,8 +32,8 @@ def _register(handles):
 
 
 def attach_ours(model):
-    from reap_modifier.adapters import find_moe_architecture
-    from reap_modifier.observer import SaliencyObserver
+    from reap_modifier.calibration.observer import SaliencyObserver
+    from reap_modifier.models import find_moe_architecture
 
     handles: list = []
     observer = SaliencyObserver(find_moe_architecture(model), _register(handles))

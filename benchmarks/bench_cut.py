@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from reap_modifier.plan import PruningPlan, plan_from_scores
+from reap_modifier.scores.plan import PruningPlan, plan_from_scores
 from reap_modifier.scores import ExpertScores
 
 LAYERS, EXPERTS = 92, 896

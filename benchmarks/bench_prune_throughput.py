@@ -15,7 +15,7 @@ and prints in one run:
 - peak RSS (``VmHWM``, measured inside each child) of the rewriting process and of
   the CLI vs the largest shard, and the RSS of the interpreter after its imports.
 
-Targets (issue 3): rewrite >= 0.8x cp throughput; peak RSS < largest shard + 256 MiB.
+Targets: rewrite >= 0.8x cp throughput; peak RSS < largest shard + 256 MiB.
 Every step starts after ``sync`` so that no step pays for the previous one's dirty
 pages.  Everything runs from the page cache when RAM allows (both cp and prune).
 
@@ -47,7 +47,7 @@ CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 from reap_modifier.checkpoint import rewrite_checkpoint
-from reap_modifier.plan import PruningPlan
+from reap_modifier.scores.plan import PruningPlan
 import reap_modifier.cli  # what `reap prune` imports too
 t1 = time.perf_counter()
 def status(key):
@@ -115,7 +115,7 @@ def main() -> None:
 
     from mxfp4_fixtures import write_synthetic_mxfp4
 
-    from reap_modifier.plan import PruningPlan
+    from reap_modifier.scores.plan import PruningPlan
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="reap-bench-"))
     work.mkdir(parents=True, exist_ok=True)

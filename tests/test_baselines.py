@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from reap_modifier.baselines import (
+from reap_modifier.scores.baselines import (
     baseline_saliency,
     baseline_scores,
     layer_number,
@@ -16,7 +16,7 @@ from reap_modifier.baselines import (
     router_fingerprint,
     scores_from_weights,
 )
-from reap_modifier.plan import plan_from_scores
+from reap_modifier.scores.plan import plan_from_scores
 from reap_modifier.scores import ExpertScores, ScoresError
 
 # Router rows chosen so that L1 and signed sum rank differently:

@@ -1,4 +1,4 @@
-"""The committed ``models/tiny-k3-bilingual`` (issue 5): it loads, its routed experts are MXFP4
+"""The committed ``models/tiny-k3-bilingual``: it loads, its routed experts are MXFP4
 (``mxfp4-pack-quantized``), and its held-out loss is what its model card says -- on the small eval
 slice committed with it, and (when ``data/`` has been built) on the held-out windows of the corpora."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reap_modifier import data as D
+from reap_modifier.demo import data as D
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "tiny-k3-bilingual"

@@ -30,7 +30,6 @@ from reap_modifier.checkpoint import (  # noqa: E402
     CheckpointError,
     DestinationError,
     ExpertPlanPruner,
-    _convert,
     bind_plan,
     inspect_checkpoint,
     resolve_block,
@@ -38,8 +37,9 @@ from reap_modifier.checkpoint import (  # noqa: E402
 )
 from reap_modifier.cli import app  # noqa: E402
 from reap_modifier.fileio import sha256_file  # noqa: E402
-from reap_modifier.manifest import MANIFEST_NAME  # noqa: E402
-from reap_modifier.plan import PlanError, PruningPlan  # noqa: E402
+from reap_modifier.checkpoint.manifest import MANIFEST_NAME  # noqa: E402
+from reap_modifier.checkpoint.upstream import convert  # noqa: E402
+from reap_modifier.scores.plan import PlanError, PruningPlan  # noqa: E402
 
 KIMI_IGNORED = "language_model.model.layers.1.block_sparse_moe.experts.5.w2"
 
@@ -373,7 +373,7 @@ def _plan_of(dst, tmp_path) -> Path:
 def test_interrupted_write_leaves_no_dst(sources, tmp_path, monkeypatch, existing):
     """Raise inside the writer after some bytes are written: no DST (or the old DST
     intact), no temp directory, source unchanged."""
-    import reap_modifier.checkpoint as ck
+    import reap_modifier.checkpoint.byte_copy as ck
 
     f = sources["fx"]["deepseek_v3"]
     plan = PruningPlan(kept={b: [0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14] for b in f.moe_blocks}, num_experts=16)
@@ -414,9 +414,9 @@ def test_streaming_writer_equals_stock_converter_path(sources, tmp_path):
     plan = PruningPlan(kept={b: [1, 3, 4, 6, 9, 10, 13, 15] for b in f.moe_blocks}, num_experts=16)
     spec = bind_plan(inspect_checkpoint(f.path), plan)
     stock = ExpertPlanPruner(spec)
-    _convert(f.path, tmp_path / "stock", stock, stream=False)
+    convert(f.path, tmp_path / "stock", stock, stream=False)
     streamed = ExpertPlanPruner(spec)
-    _convert(f.path, tmp_path / "stream", streamed)
+    convert(f.path, tmp_path / "stream", streamed)
     assert tensor_sha256(tmp_path / "stock") == tensor_sha256(tmp_path / "stream")
     a = json.loads((tmp_path / "stock" / "config.json").read_text())
     b = json.loads((tmp_path / "stream" / "config.json").read_text())
@@ -436,7 +436,7 @@ def test_streaming_writer_equals_stock_converter_path(sources, tmp_path):
 
 def test_no_hash_source_and_small_chunks(sources, tmp_path, monkeypatch):
     """Chunking boundaries inside tensors and the seek-only (no source hash) path."""
-    import reap_modifier.checkpoint as ck
+    import reap_modifier.checkpoint.byte_copy as ck
 
     monkeypatch.setattr(ck, "CHUNK_BYTES", 1000)  # not a multiple of anything
     f = sources["fx"]["qwen3_moe"]

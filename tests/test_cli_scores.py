@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from reap_modifier.cli import app
-from reap_modifier.plan import PruningPlan, plan_from_scores
+from reap_modifier.scores.plan import PruningPlan, plan_from_scores
 from reap_modifier.scores import ExpertScores
 from scores_synth import LAYERS, accumulate, big_scores, routing
 from test_baselines import _write_checkpoint
@@ -89,7 +89,7 @@ def test_compare_cli(files):
         assert (d / "cmp" / name).exists()
     bad = _run("compare", files["A"], d / "B.scores", "--keep", 4, "--corpus-of", "Z=en",
                "-o", d / "cmp2", ok=False)
-    assert bad.exit_code == 1 and "unknown rankings ['Z']" in bad.output
+    assert bad.exit_code == 2 and "unknown rankings ['Z']" in bad.output
 
 
 def test_from_weights_cli(tmp_path):
@@ -104,10 +104,10 @@ def test_from_weights_cli(tmp_path):
     _run("scores", "from-weights", ckpt, "--method", "random", "--seed", 3, "-o", tmp_path / "r.scores")
     assert ExpertScores.load(tmp_path / "r.scores").metadata["seed"] == 3
     bad = _run("scores", "from-weights", ckpt, "--method", "router_l3", "-o", tmp_path / "x", ok=False)
-    assert bad.exit_code == 1 and "unknown baseline 'router_l3'" in bad.output
+    assert bad.exit_code == 2 and "unknown baseline 'router_l3'" in bad.output
     bad = _run("cut", tmp_path / "l1.scores", "--keep", 2, "--saliency", "reap", "-o",
                tmp_path / "x.json", ok=False)
-    assert bad.exit_code == 1 and "calibration-free baseline 'router_l1'" in bad.output
+    assert bad.exit_code == 2 and "calibration-free baseline 'router_l1'" in bad.output
 
 
 def test_cli_errors(files):
@@ -126,11 +126,11 @@ def test_cli_errors(files):
         (("tiers", files["A"]), "give tiers with --keep"),
     ]:
         res = _run(*args, ok=False)
-        assert res.exit_code == 1, (args, res.output)
+        assert res.exit_code == 2, (args, res.output)
         assert needle in res.output, (args, res.output)
     other = accumulate(None, [("en", *routing(20, 16, 2, 1))], num_experts=16).save(d / "o.scores")
     res = _run("scores", "merge", files["A"], other, "-o", d / "m.scores", ok=False)
-    assert res.exit_code == 1 and "num_experts 8 != 16" in res.output and "o.scores" in res.output
+    assert res.exit_code == 2 and "num_experts 8 != 16" in res.output and "o.scores" in res.output
     assert not (d / "m.scores").exists()
     res = _run("compare", files["A"], other, "--keep", 4, "-o", d / "c", ok=False)
-    assert res.exit_code == 1 and "different expert counts (8 != 16)" in res.output
+    assert res.exit_code == 2 and "different expert counts (8 != 16)" in res.output

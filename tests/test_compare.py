@@ -9,16 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from reap_modifier.compare import Ranking, compare_rankings, kept_mask, write_compare_report
-from reap_modifier.plan import plan_from_scores, retained_mass, select_experts
+from reap_modifier.analysis.compare import Ranking, compare_rankings, kept_mask
+from reap_modifier.analysis.reports import write_compare_report, write_tiers_report
+from reap_modifier.analysis.tiers import detect_knee, mass_curve, retained_mass_at, tiers_report
 from reap_modifier.scores import ExpertScores, ScoresError
-from reap_modifier.tiers import (
-    detect_knee,
-    mass_curve,
-    retained_mass_at,
-    tiers_report,
-    write_tiers_report,
-)
+from reap_modifier.scores.plan import plan_from_scores, retained_mass, select_experts
 from scores_synth import accumulate, big_scores, from_saliency, routing
 
 

@@ -18,8 +18,8 @@ from oracles import masked_routing
 from tiny_models import reload_class, sample_input_ids
 
 from reap_modifier import REAPPruningModifier
-from reap_modifier.compressed_save import compressed_source, route_save_through_rewriter
-from reap_modifier.verify import verify_checkpoint
+from reap_modifier.checkpoint.compressed_save import compressed_source, route_save_through_rewriter
+from reap_modifier.checkpoint.verify import verify_checkpoint
 
 EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<idx>\d+)\.(?P<rest>.+)$")
 

@@ -1,4 +1,4 @@
-"""Corpus helpers (issue 5): filters, extraction, the deterministic split, loading, calibration
+"""Corpus helpers: filters, extraction, the deterministic split, loading, calibration
 sampling across sources and evaluation windows -- on small in-memory fixtures; plus a few checks of
 the real built corpora when ``data/`` exists (skipped otherwise)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from reap_modifier import data as D
+from reap_modifier.demo import data as D
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reap_modifier import data as D
+from reap_modifier.demo import data as D
 
 LANGS = ("en", "zh", "code")
 
@@ -231,7 +231,7 @@ def test_report_is_rendered_from_results_json(demo_run):
 
 def test_results_match_the_files_on_disk(demo_run):
     """The JSON's numbers are the run's: recomputed from the written scores, plans and manifests."""
-    from reap_modifier.plan import PruningPlan, plan_from_scores
+    from reap_modifier.scores.plan import PruningPlan, plan_from_scores
     from reap_modifier.scores import ExpertScores
 
     out, res = demo_run["out"], demo_run["results"]

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from tiny_models import build_tiny
 
 from reap_modifier import REAPPruningModifier
-from reap_modifier.adapters import NoMoEError
-from reap_modifier.plan import PlanError
+from reap_modifier.models import NoMoEError
+from reap_modifier.scores.plan import PlanError
 from reap_modifier.scores import ExpertScores
 
 RECIPES = Path(__file__).parent.parent / "recipes"
@@ -159,7 +159,7 @@ def test_model_without_moe_names_its_class(tmp_path, tokenizer):
 
 
 def test_keep_count_rounding_is_not_truncation():
-    from reap_modifier.plan import compute_keep_count
+    from reap_modifier.scores.keep_count import compute_keep_count
 
     # upstream: int(100 * 0.29) = 28 dropped; the rule drops round(29.0) = 29
     assert compute_keep_count(100, 8, sparsity=0.29).keep == 71

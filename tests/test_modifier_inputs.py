@@ -11,7 +11,8 @@ from pydantic import ValidationError
 from tiny_models import build_tiny, reload_class
 
 from reap_modifier import REAPPruningModifier
-from reap_modifier.plan import PruningPlan, compute_keep_count, plan_from_scores
+from reap_modifier.scores.keep_count import compute_keep_count
+from reap_modifier.scores.plan import PruningPlan, plan_from_scores
 from reap_modifier.scores import ExpertScores
 
 

@@ -11,8 +11,8 @@ import torch
 from oracles import STAT_KEYS, brute_force_stats
 from tiny_models import ALL_FAMILIES, build_tiny
 
-from reap_modifier.adapters import find_moe_architecture
-from reap_modifier.observer import SaliencyObserver
+from reap_modifier.calibration.observer import SaliencyObserver
+from reap_modifier.models import find_moe_architecture
 
 LINEARIZABLE = ("qwen3_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
 

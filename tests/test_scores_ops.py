@@ -10,14 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from reap_modifier.plan import (
-    PlanError,
-    PruningPlan,
-    compute_keep_count,
-    plan_from_scores,
-    select_experts,
-    sparsity_to_keep,
-)
+from reap_modifier.scores.keep_count import PlanError, compute_keep_count, sparsity_to_keep
+from reap_modifier.scores.plan import PruningPlan, plan_from_scores, select_experts
 from reap_modifier.scores import (
     SCORES_FORMAT,
     SCORES_VERSION,

@@ -17,9 +17,10 @@ from oracles import masked_routing
 from tiny_models import ALL_FAMILIES, FAMILIES, build_tiny, reload_class, sample_input_ids
 
 from reap_modifier import REAPPruningModifier
-from reap_modifier.adapters import find_moe_architecture, text_config
-from reap_modifier.plan import PruningPlan, compute_keep_count
-from reap_modifier.surgery import apply_plan
+from reap_modifier.models import find_moe_architecture, text_config
+from reap_modifier.models.surgery import apply_plan
+from reap_modifier.scores.keep_count import compute_keep_count
+from reap_modifier.scores.plan import PruningPlan
 
 HERE = Path(__file__).parent
 

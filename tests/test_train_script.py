@@ -1,4 +1,4 @@
-"""``scripts/train_tiny_k3.py`` (issue 5): the training-time MoE forward is the model's own maths
+"""``scripts/train_tiny_k3.py``: the training-time MoE forward is the model's own maths
 with gradients, and the whole script (tokenizer -> train -> MXFP4 -> model card) runs a few steps of
 a tiny configuration on a synthetic corpus in under a minute."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reap_modifier import data as D
+from reap_modifier.demo import data as D
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "train_tiny_k3.py"

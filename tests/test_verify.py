@@ -18,9 +18,9 @@ from typer.testing import CliRunner  # noqa: E402
 
 from reap_modifier.checkpoint import read_safetensors_header, rewrite_checkpoint  # noqa: E402
 from reap_modifier.cli import app  # noqa: E402
-from reap_modifier.manifest import MANIFEST_NAME  # noqa: E402
-from reap_modifier.plan import PruningPlan  # noqa: E402
-from reap_modifier.verify import VerifyError, verify_checkpoint  # noqa: E402
+from reap_modifier.checkpoint.manifest import MANIFEST_NAME  # noqa: E402
+from reap_modifier.checkpoint.verify import VerifyError, verify_checkpoint  # noqa: E402
+from reap_modifier.scores.plan import PruningPlan  # noqa: E402
 
 runner = CliRunner()
 

@@ -14,12 +14,20 @@ import importlib
 import importlib.abc
 import sys
 
-from .plan import PruningPlan, compute_keep_count
 from .scores import ExpertScores
+from .scores.keep_count import compute_keep_count
+from .scores.plan import PruningPlan, plan_from_scores
 
 __version__ = "0.1.0"
 
-__all__ = ["ExpertScores", "PruningPlan", "REAPPruningModifier", "compute_keep_count"]
+__all__ = [
+    "ExpertScores",
+    "PruningPlan",
+    "REAPPruningModifier",
+    "__version__",
+    "compute_keep_count",
+    "plan_from_scores",
+]
 
 
 def __getattr__(name: str):

@@ -12,7 +12,7 @@ import sys
 
 from loguru import logger
 
-from .adapters import COUNT_KEYS
+from .models.config_keys import COUNT_KEYS
 from .fileio import write_json_atomic
 
 __all__ = [

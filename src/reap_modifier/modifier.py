@@ -19,16 +19,18 @@ from llmcompressor.modeling.moe.context import get_calibrate_all_experts_flag
 from llmcompressor.modifiers import Modifier
 from llmcompressor.modifiers.factory import ModifierFactory
 
-from . import compat, distributed
-from .adapters import MoEArchitecture, find_moe_architecture
-from .baselines import baseline_saliency, baseline_scores, layer_number, model_fingerprint
-from .compressed_save import compressed_source, route_save_through_rewriter
+from . import compat
+from .calibration import distributed
+from .calibration.observer import SaliencyObserver
+from .checkpoint.compressed_save import compressed_source, route_save_through_rewriter
+from .checkpoint.manifest import build_manifest, tool_versions
 from .fileio import sha256_file, write_json_atomic
-from .manifest import build_manifest, tool_versions
-from .observer import SaliencyObserver
-from .plan import KeepCount, PruningPlan, compute_keep_count
+from .models import MoEArchitecture, find_moe_architecture
+from .models.surgery import apply_plan
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
-from .surgery import apply_plan
+from .scores.baselines import baseline_saliency, baseline_scores, layer_number, model_fingerprint
+from .scores.keep_count import KeepCount, compute_keep_count
+from .scores.plan import PruningPlan
 
 __all__ = ["REAPPruningModifier"]
 
@@ -250,7 +252,6 @@ class REAPPruningModifier(Modifier):
     # -- decision ------------------------------------------------------------------------
 
     def _decide_and_prune(self, model: torch.nn.Module) -> None:
-        arch = self._arch
         self._observer.reset_pending()
         # data parallel: every rank holds the global sums before any decision
         distributed.reduce_accumulators(self._observer.accumulators, self._cpu_group)

@@ -26,28 +26,22 @@ new corpus) measured against it is the corpus effect (the seed's table).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from itertools import combinations
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from .fileio import write_json_atomic
-from .plan import KeepCount, _grouped, keep_count_for_scores
-from .scores import KIND_CALIBRATION, SOURCE_PREFIX, ExpertScores, ScoresError
-from .tiers import jsonable
+from ..scores import KIND_CALIBRATION, SOURCE_PREFIX, ExpertScores, ScoresError
+from ..scores.keep_count import KeepCount, group_limit, keep_count_for_scores
 
 __all__ = [
     "RATIO_THRESHOLD",
     "Ranking",
     "compare_rankings",
-    "compare_markdown",
     "kept_mask",
-    "plot_flips",
-    "plot_routing_ratio",
-    "write_compare_report",
+    "rate_ratio",
+    "routing_rates",
 ]
 
 #: "routed at least 1.5x more often per token"
@@ -87,7 +81,7 @@ class Ranking:
 
 def kept_mask(saliency: np.ndarray, keep: int, n_group: int | None = None) -> np.ndarray:
     """``[L, E]`` bool: the ``keep`` highest per layer (per group when grouped), ties to
-    the lower index — the same selection as :func:`reap_modifier.plan.select_experts`."""
+    the lower index — the same selection as :func:`reap_modifier.scores.plan.select_experts`."""
     num_layers, num_experts = saliency.shape
     groups = n_group if n_group and n_group > 1 else 1
     size, per = num_experts // groups, keep // groups
@@ -144,7 +138,7 @@ def _check_compatible(items: list[tuple[str, ExpertScores]]) -> list[str]:
     return layers
 
 
-def _routing_rates(
+def routing_rates(
     rankings: list[Ranking], per_source: dict[str, ExpertScores] | None, layers: list[str]
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Per-source per-token routing rates ``[L, E]`` and where each came from."""
@@ -171,7 +165,7 @@ def _routing_rates(
     return rates, origin
 
 
-def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+def rate_ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
     """``num / den`` with x/0 = inf (x > 0) and 0/0 = NaN."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(den > 0, num / np.where(den > 0, den, 1.0),
@@ -186,7 +180,7 @@ def _frac(mask: np.ndarray, sel: np.ndarray) -> float | None:
 def _support_summary(values: np.ndarray, sel: np.ndarray) -> dict:
     """Support of selected experts relative to the median of their layer."""
     med = np.median(values, axis=1, keepdims=True)
-    rel = _ratio(values, np.broadcast_to(med, values.shape))
+    rel = rate_ratio(values, np.broadcast_to(med, values.shape))
     rel_sel = rel[sel]
     finite = rel_sel[np.isfinite(rel_sel)]
     n = int(sel.sum())
@@ -239,7 +233,7 @@ def compare_rankings(
         first, sparsity=sparsity, num_experts_to_keep=keep, divisible_by=divisible_by
     )
     k = keep_count.keep
-    n_group = _grouped(first.metadata)
+    n_group = group_limit(first.metadata)
     num_layers, num_experts = len(layers), first.num_experts
 
     sal: dict[str, np.ndarray] = {}
@@ -252,7 +246,7 @@ def compare_rankings(
         sal[r.label] = _stack(r.scores.saliency(name), layers)
         masks[r.label] = kept_mask(sal[r.label], k, n_group)
 
-    rates, rate_origin = _routing_rates(rankings, per_source, layers)
+    rates, rate_origin = routing_rates(rankings, per_source, layers)
     sources = list(rates)
 
     ranking_info = []
@@ -332,7 +326,7 @@ def compare_rankings(
         pair["support"] = support
         routing = []
         for a, b in combinations(sources, 2):
-            ratio = _ratio(rates[b], rates[a])  # rate_b / rate_a
+            ratio = rate_ratio(rates[b], rates[a])  # rate_b / rate_a
             more_b = ratio >= threshold
             with np.errstate(divide="ignore"):
                 more_a = ratio <= 1.0 / threshold
@@ -380,250 +374,3 @@ def compare_rankings(
         "routing_sources": {s: rate_origin[s] for s in sources},
         "pairs": pairs,
     }
-
-
-# -- report ---------------------------------------------------------------------------
-
-
-def _pct(x: float | None, d: int = 1) -> str:
-    return "n/a" if x is None else f"{100 * x:.{d}f}%"
-
-
-def _tok(n: int) -> str:
-    return f"{n / 1e6:.2f} M" if abs(n) >= 100_000 else f"{n:,}"
-
-
-def compare_markdown(result: dict) -> str:
-    k, L, E = result["keep"], result["num_layers"], result["num_experts"]
-    out = [
-        "# Ranking comparison",
-        "",
-        f"Keep {k} of {E} experts in each of {L} MoE layers ({L * k:,} kept slots).",
-        "",
-        "| ranking | corpus | tokens | saliency | retained mass at keep |",
-        "|---|---|---:|---|---:|",
-    ]
-    for r in result["rankings"]:
-        toks = ", ".join(f"{s} {_tok(n)}" for s, n in r["tokens"].items()) or "-"
-        out.append(
-            f"| {r['label']} | {r['corpus']} | {toks} | {r['saliency']} | "
-            f"{_pct(r['retained_mass'])} |"
-        )
-    out += [
-        "",
-        "## Keep/drop flips",
-        "",
-        "A flip is a kept slot whose expert changes (promoted = kept by the later ranking, "
-        "dropped by the earlier; there are as many demoted). `x first` divides by the first "
-        "consecutive pair (the noise floor when it adds more of the same corpus).",
-        "",
-        "| change | tokens added | flips | % of kept slots | % of all slots | x first |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    for p in result["pairs"]:
-        added = ", ".join(f"{'+' if n > 0 else ''}{_tok(n)} {s}" for s, n in p["tokens_added"].items()) or "-"
-        xf = "n/a" if p["x_first_pair"] is None else f"{p['x_first_pair']:.2f}x"
-        out.append(
-            f"| {p['earlier']} -> {p['later']}: {p['change']} | {added} | {p['flips']:,} | "
-            f"{p['pct_of_kept_slots']:.2f}% | {p['pct_of_all_slots']:.2f}% | {xf} |"
-        )
-    out += [
-        "",
-        "Per layer (% of kept slots): "
-        + "; ".join(
-            f"{p['earlier']}->{p['later']} min {min(p['pct_per_layer']):.1f}, median "
-            f"{float(np.median(p['pct_per_layer'])):.1f}, max {max(p['pct_per_layer']):.1f}"
-            for p in result["pairs"]
-        ),
-        "",
-        "![flips per layer](flips_per_layer.png)",
-        "",
-        "## Retained saliency mass",
-        "",
-        "| pair | earlier, own | later, own | earlier's saliency under later plan | "
-        "later's saliency under earlier plan |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for p in result["pairs"]:
-        m = p["mass"]
-        out.append(
-            f"| {p['earlier']} -> {p['later']} | {_pct(m['own_earlier'])} | "
-            f"{_pct(m['own_later'])} | {_pct(m['earlier_saliency_under_later_plan'])} | "
-            f"{_pct(m['later_saliency_under_earlier_plan'])} |"
-        )
-    out += ["", "## Promoted experts", ""]
-    if not result["routing_sources"]:
-        out.append(
-            "No per-source routing counts were available (give `--per-source en=S1 zh=S2` or "
-            "rankings whose files carry per-source counts), so the routing-ratio view is skipped."
-        )
-    else:
-        out.append(
-            "Per-token routing rate of source s: routed count on s / tokens of s. Sources: "
-            + "; ".join(f"{s}: {o}" for s, o in result["routing_sources"].items()) + "."
-        )
-        out += [
-            "",
-            f"| pair | sources a / b | promoted | promoted >= {result['threshold']:g}x more by b | "
-            f"all experts >= {result['threshold']:g}x more by b | promoted >= "
-            f"{result['threshold']:g}x more by a | all experts >= {result['threshold']:g}x more by a |",
-            "|---|---|---:|---:|---:|---:|---:|",
-        ]
-        for p in result["pairs"]:
-            for r in p["routing"]:
-                out.append(
-                    f"| {p['earlier']} -> {p['later']} | {r['a']} / {r['b']} | {p['flips']:,} | "
-                    f"{_pct(r['promoted_frac_more_by_b'])} | {_pct(r['all_frac_more_by_b'])} | "
-                    f"{_pct(r['promoted_frac_more_by_a'])} | {_pct(r['all_frac_more_by_a'])} |"
-                )
-        out += ["", "![routing ratio](routing_ratio.png)"]
-    out += [
-        "",
-        "Support of promoted experts (routed tokens) relative to the median expert of their "
-        "layer (1.0 = median):",
-        "",
-        "| pair | support measured in | promoted: median ratio | promoted below median | "
-        "demoted: median ratio | all: below median |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    for p in result["pairs"]:
-        for where, s in p["support"].items():
-            label = f"{p['earlier']}'s counts" if where == "earlier_count" else where
-            med = s["promoted"]["median_ratio_to_layer_median"]
-            dmed = s["demoted"]["median_ratio_to_layer_median"]
-            out.append(
-                f"| {p['earlier']} -> {p['later']} | {label} | "
-                f"{'n/a' if med is None else f'{med:.2f}'} | "
-                f"{_pct(s['promoted']['frac_below_layer_median'])} | "
-                f"{'n/a' if dmed is None else f'{dmed:.2f}'} | "
-                f"{_pct(s['all']['frac_below_layer_median'])} |"
-            )
-    rule = result["keep_rule"]
-    out += [
-        "",
-        "## Definitions",
-        "",
-        f"- keep {result['keep']} (requested {rule['requested']}"
-        + (f"; {'; '.join(rule['adjustments'])}" if rule["adjustments"] else "") + "); "
-        "selection as `reap cut`: highest saliency per layer, ties to the lower index"
-        + (f", equal count per group (n_group={rule['n_group']})" if rule["n_group"] else "") + ".",
-        "- retained mass: layer mean of kept saliency / layer saliency.",
-        f"- routed >= {result['threshold']:g}x more often by b: rate_b / rate_a >= "
-        f"{result['threshold']:g} (an expert routed by b but never by a counts; never routed "
-        "by either does not).",
-        "- every number is in compare.json.",
-        "",
-    ]
-    return "\n".join(out)
-
-
-def _layer_axis(layers: list[str]) -> tuple[np.ndarray, str]:
-    from .baselines import layer_number
-
-    nums = [layer_number(n) for n in layers]
-    if len(set(nums)) == len(nums) and max(nums) < 10_000:
-        return np.array(nums), "layer number"
-    return np.arange(len(layers)), "MoE layer (position)"
-
-
-def plot_flips(result: dict, path: str | os.PathLike) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    x, xlabel = _layer_axis(result["layers"])
-    fig, ax = plt.subplots(figsize=(10, 4))
-    for i, p in enumerate(result["pairs"]):
-        ax.plot(x, p["pct_per_layer"], marker="o", ms=3, lw=1,
-                ls="-" if p["consecutive"] else ":", color=f"C{i}",
-                label=f"{p['earlier']}->{p['later']} ({p['change']}): {p['pct_of_kept_slots']:.2f}%")
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(f"flips (% of {result['keep']} kept slots)")
-    ax.set_title(f"Keep/drop flips per layer at keep {result['keep']}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_routing_ratio(result: dict, rates_ratio: list[tuple[str, np.ndarray, np.ndarray]],
-                       path: str | os.PathLike) -> Path | None:
-    """Histogram of log2(rate_b / rate_a): all experts vs promoted, one panel per pair."""
-    if not rates_ratio:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n = len(rates_ratio)
-    fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
-    lim = 6.0
-    bins = np.linspace(-lim, lim, 49)
-    t = np.log2(result["threshold"])
-    for ax, (title, ratio, promoted) in zip(axes[0], rates_ratio):
-        with np.errstate(divide="ignore"):
-            lr = np.log2(ratio)
-        lr = np.clip(lr, -lim, lim)  # +-inf -> edges
-        ok = ~np.isnan(lr)
-        ax.hist(lr[ok].ravel(), bins=bins, density=True, alpha=0.45, color="grey", label="all experts")
-        sel = ok & promoted
-        if sel.any():
-            ax.hist(lr[sel].ravel(), bins=bins, density=True, alpha=0.6, color="C3",
-                    label=f"promoted ({int(promoted.sum())})")
-        for v in (-t, t):
-            ax.axvline(v, color="k", ls="--", lw=0.8)
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("log2 routing-rate ratio (clipped at +-6)")
-        ax.set_ylabel("density")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def write_compare_report(
-    result: dict,
-    out_dir: str | os.PathLike,
-    rankings: list[Ranking] | None = None,
-    per_source: dict[str, ExpertScores] | None = None,
-) -> dict[str, Path]:
-    """Write ``compare.md``, ``compare.json``, ``flips_per_layer.png`` and (with routing
-    data) ``routing_ratio.png``. ``rankings``/``per_source`` rebuild the per-expert
-    ratios for the histogram (the JSON keeps the summaries and the promoted ids)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": write_json_atomic(out / "compare.json", jsonable(result))}
-    (out / "compare.md").write_text(compare_markdown(result))
-    paths["markdown"] = out / "compare.md"
-    paths["flips_png"] = plot_flips(result, out / "flips_per_layer.png")
-    panels = []
-    if rankings is not None and result["routing_sources"]:
-        layers = result["layers"]
-        rates, _ = _routing_rates(rankings, per_source, layers)
-        L, E = result["num_layers"], result["num_experts"]
-        for p in result["pairs"]:
-            promoted = np.zeros((L, E), dtype=bool)
-            for li, name in enumerate(layers):
-                promoted[li, p["promoted"][name]] = True
-            for r in p["routing"]:
-                ratio = _ratio(rates[r["b"]], rates[r["a"]])
-                panels.append((
-                    f"{p['earlier']}->{p['later']}: {r['b']}/{r['a']}; promoted >= "
-                    f"{result['threshold']:g}x by {r['b']}: {_pct(r['promoted_frac_more_by_b'])} "
-                    f"(all {_pct(r['all_frac_more_by_b'])})",
-                    ratio, promoted,
-                ))
-    png = plot_routing_ratio(result, panels, out / "routing_ratio.png")
-    if png:
-        paths["routing_png"] = png
-    return paths

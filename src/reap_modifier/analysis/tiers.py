@@ -28,29 +28,22 @@ are refused here with a clear message.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from .fileio import write_json_atomic
-from .plan import _grouped, sparsity_to_keep
-from .scores import ExpertScores, ScoresError
+from ..scores import ExpertScores, ScoresError
+from ..scores.keep_count import group_limit, sparsity_to_keep
 
 __all__ = [
     "KNEE_THRESHOLD",
     "TierCurve",
     "detect_knee",
-    "jsonable",
     "knee_window",
     "mass_curve",
-    "plot_tiers",
     "retained_mass_at",
-    "tiers_markdown",
     "tiers_report",
-    "write_tiers_report",
 ]
 
 #: the jump ratio ``J`` at or above which the knee test reports a knee
@@ -76,22 +69,6 @@ def _require_nonnegative(arr: np.ndarray, what: str) -> None:
             f"{what} has negative values (e.g. router_signed_sum): a retained "
             "saliency-mass fraction is undefined for it; use a non-negative criterion"
         )
-
-
-def jsonable(obj):
-    """Recursively convert numpy scalars/arrays and non-finite floats (-> None) for JSON."""
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return jsonable(obj.tolist())
-    if isinstance(obj, (np.integer,)):
-        return int(obj)
-    if isinstance(obj, (float, np.floating)):
-        x = float(obj)
-        return x if math.isfinite(x) else None
-    return obj
 
 
 def knee_window(num_experts: int) -> int:
@@ -231,10 +208,6 @@ def detect_knee(
     return result
 
 
-def _fmt_pct(x: float | None, digits: int = 1) -> str:
-    return "n/a" if x is None else f"{100 * x:.{digits}f}%"
-
-
 def _answer(curve: TierCurve, knee_range: dict, knee_all: dict, between: list[dict]) -> str:
     num_experts = curve.num_experts
     cost = curve.marginal_cost
@@ -303,7 +276,7 @@ def tiers_report(
     if isinstance(scores, ExpertScores):
         name = saliency or scores.default_saliency
         sal = scores.saliency(name)
-        n_group = n_group or _grouped(scores.metadata)
+        n_group = n_group or group_limit(scores.metadata)
     else:
         name, sal = saliency or "saliency", scores
     curve = mass_curve(sal)
@@ -372,108 +345,3 @@ def tiers_report(
             "over the keep range of the requested tiers"
         ),
     }
-
-
-def plot_tiers(report: dict, path: str | os.PathLike) -> Path:
-    """PNG: mean retained mass vs keep (tiers marked), marginal cost vs keep."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    num_experts = report["num_experts"]
-    keep = np.array(report["curve"]["keep"])
-    mass = np.array(report["curve"]["retained_mass"])
-    cost = np.array([np.nan if c is None else c for c in report["curve"]["marginal_cost"]])
-    w = report["knee"]["window"]
-    smooth = np.convolve(np.nan_to_num(cost[1:]), np.ones(w) / w, mode="valid")
-    smooth_x = keep[1:][: smooth.size] + (w - 1) / 2
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax1.plot(keep, 100 * mass, color="C0")
-    for t in report["tiers"]:
-        ax1.scatter([t["keep"]], [100 * t["retained_mass_mean"]], color="C3", zorder=3)
-        ax1.annotate(
-            f"{t['keep']}: {100 * t['retained_mass_mean']:.1f}%",
-            (t["keep"], 100 * t["retained_mass_mean"]),
-            textcoords="offset points", xytext=(5, -12), fontsize=8,
-        )
-    ax1.set_xlabel("experts kept per layer")
-    ax1.set_ylabel("retained saliency mass (layer mean, %)")
-    ax1.set_title(f"Retained mass ({report['saliency']})")
-    ax1.set_xlim(num_experts, 0)
-    ax1.grid(alpha=0.3)
-    ax2.plot(keep[1:], cost[1:] * num_experts, color="C1", alpha=0.35, lw=0.8, label="per expert")
-    ax2.plot(smooth_x, smooth * num_experts, color="C1", label=f"{w}-expert mean")
-    ax2.axhline(1.0, color="grey", ls=":", lw=1, label="uniform share (1/E)")
-    for t in report["tiers"]:
-        ax2.axvline(t["keep"], color="C3", ls="--", lw=0.8)
-    if report["knee"].get("knee"):
-        ax2.axvline(report["knee"]["keep"], color="k", lw=1.5, label="knee")
-    ax2.set_xlabel("experts kept per layer (k-th expert is pruned next)")
-    ax2.set_ylabel("marginal cost (share x E; 1 = average expert)")
-    ax2.set_title("Marginal saliency cost per pruned expert")
-    ax2.set_xlim(num_experts, 0)
-    ax2.set_yscale("symlog", linthresh=0.1)
-    ax2.set_ylim(bottom=0)
-    ax2.grid(alpha=0.3)
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def tiers_markdown(report: dict) -> str:
-    lines = [
-        f"# Tiers: retained saliency mass ({report['saliency']})",
-        "",
-        f"{report['num_layers']} MoE layers x {report['num_experts']} experts.",
-        "",
-        "| keep | pruned | retained mass (mean) | min layer | max layer |",
-        "|---:|---:|---:|---:|---:|",
-    ]
-    for t in report["tiers"]:
-        lines.append(
-            f"| {t['keep']} | {100 * t['pruned_fraction']:.1f}% | "
-            f"{_fmt_pct(t['retained_mass_mean'])} | {_fmt_pct(t['retained_mass_min'])} | "
-            f"{_fmt_pct(t['retained_mass_max'])} |"
-        )
-    lines += [
-        "",
-        "Marginal cost per pruned expert between tiers (mass lost / experts pruned):",
-        "",
-        "| from keep | to keep | mass lost | per expert | x uniform share |",
-        "|---:|---:|---:|---:|---:|",
-    ]
-    for b in report["between_tiers"]:
-        lines.append(
-            f"| {b['from_keep']} | {b['to_keep']} | {_fmt_pct(b['mass_lost'])} | "
-            f"{100 * b['cost_per_expert']:.4f}% | {b['cost_per_expert_vs_uniform']:.2f} |"
-        )
-    lines += [
-        "",
-        "## Is there a knee?",
-        "",
-        report["answer"],
-        "",
-        f"Test: {report['knee_definition']}.",
-        "",
-        "![tiers](tiers.png)",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def write_tiers_report(report: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write ``tiers.json``, ``tiers.md`` and ``tiers.png`` into ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "json": write_json_atomic(out / "tiers.json", jsonable(report)),
-        "png": plot_tiers(report, out / "tiers.png"),
-    }
-    (out / "tiers.md").write_text(tiers_markdown(report))
-    paths["markdown"] = out / "tiers.md"
-    return paths

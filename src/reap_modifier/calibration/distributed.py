@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from compressed_tensors.distributed import get_source_rank, is_distributed, is_source_process
+from compressed_tensors.distributed import (
+    get_source_rank,
+    is_distributed,
+    is_source_process,
+)
 
-from .observer import LayerAccumulator
+from .accumulator import LayerAccumulator
 
 __all__ = [
     "broadcast_kept",

@@ -26,59 +26,16 @@ Both paths give identical statistics with ``moe_calibrate_all_experts`` on or of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
 import torch
 
-from .adapters import MoEArchitecture, MoELayer
-from .scores import STAT_NAMES, ExpertScores
+from ..models import MoEArchitecture, MoELayer
+from ..scores import ExpertScores
+from .accumulator import LayerAccumulator, norms64
 
-__all__ = ["LayerAccumulator", "SaliencyObserver"]
-
-
-def _norms64(x: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64)
-
-
-@dataclass
-class LayerAccumulator:
-    """float64 running sums for one layer; slot ``E`` absorbs padding ids (>= E)."""
-
-    num_experts: int
-    device: torch.device | None = None
-    stats: dict[str, torch.Tensor] = field(default_factory=dict)
-    tokens: int = 0
-
-    def _ensure(self, device: torch.device) -> None:
-        if not self.stats:
-            self.device = device
-            size = self.num_experts + 1
-            self.stats = {
-                s: torch.zeros(size, dtype=torch.float64, device=device) for s in STAT_NAMES
-            }
-
-    @torch.no_grad()
-    def add(self, ids: torch.Tensor, weights: torch.Tensor, norms: torch.Tensor) -> None:
-        """Accumulate one batch: ``ids``, ``weights``, ``norms`` are ``[N, k]``."""
-        self._ensure(norms.device)
-        flat = ids.reshape(-1).to(device=self.device, dtype=torch.long)
-        flat = flat.clamp(max=self.num_experts)  # out-of-range ids -> padding slot
-        g = weights.reshape(-1).to(device=self.device, dtype=torch.float64)
-        n = norms.reshape(-1).to(device=self.device, dtype=torch.float64)
-        st = self.stats
-        st["count"].index_add_(0, flat, torch.ones_like(g))
-        st["sum_weight"].index_add_(0, flat, g)
-        st["sum_norm"].index_add_(0, flat, n)
-        st["sum_reap"].index_add_(0, flat, g * n)
-        st["max_norm"].scatter_reduce_(0, flat, n, reduce="amax", include_self=True)
-        self.tokens += ids.shape[0]
-
-    def export(self) -> dict[str, torch.Tensor]:
-        if not self.stats:
-            return {s: torch.zeros(self.num_experts, dtype=torch.float64) for s in STAT_NAMES}
-        return {s: t[: self.num_experts].to("cpu") for s, t in self.stats.items()}
+__all__ = ["SaliencyObserver"]
 
 
 class _KimiBatch:
@@ -158,7 +115,7 @@ class SaliencyObserver:
         ids, weights, dtype = self._pending.pop(name)
         n, k = ids.shape
         out = output.view(n, k, -1)
-        self.accumulators[name].add(ids, weights, _norms64(out))
+        self.accumulators[name].add(ids, weights, norms64(out))
         combined = (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
         return combined.to(dtype)
 
@@ -173,7 +130,7 @@ class SaliencyObserver:
     def _kimi_expert(self, name: str, module, args: tuple, output: torch.Tensor):
         batch = self._pending.get(name)
         if batch is not None:
-            batch.rows.append(_norms64(output) if batch.calibrate_all else output)
+            batch.rows.append(norms64(output) if batch.calibrate_all else output)
 
     def _kimi_block(self, name: str, module, args: tuple, output: Any):
         batch: _KimiBatch | None = self._pending.pop(name, None)
@@ -189,7 +146,7 @@ class SaliencyObserver:
         else:
             # moe_infer: experts with tokens, ascending, fed the argsort order of flat ids
             flat = (
-                _norms64(torch.cat(batch.rows))
+                norms64(torch.cat(batch.rows))
                 if batch.rows
                 else torch.empty(0, dtype=torch.float64)
             )

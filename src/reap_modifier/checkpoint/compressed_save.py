@@ -19,7 +19,7 @@ from pathlib import Path
 from loguru import logger
 from torch import nn
 
-from .plan import PruningPlan
+from ..scores.plan import PruningPlan
 
 __all__ = ["compressed_source", "route_save_through_rewriter"]
 
@@ -60,8 +60,8 @@ def route_save_through_rewriter(
         return False
 
     def save_pretrained(save_directory, *args, **kwargs):
-        from .checkpoint import rewrite_checkpoint
-        from .distributed import is_source_process
+        from ..calibration.distributed import is_source_process
+        from .rewrite import rewrite_checkpoint
 
         if not is_source_process():  # one writer, as llm-compressor's own save
             return

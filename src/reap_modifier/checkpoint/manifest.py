@@ -6,8 +6,8 @@ import platform
 from datetime import datetime, timezone
 from importlib import metadata as importlib_metadata
 
-from .fileio import sha256_file, write_json_atomic
-from .plan import PruningPlan
+from ..fileio import sha256_file, write_json_atomic
+from ..scores.plan import PruningPlan
 
 __all__ = [
     "MANIFEST_FORMAT",

@@ -29,21 +29,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .checkpoint import (
-    CheckpointError,
-    new_hasher,
-    ExpertRemap,
-    ShardHeader,
-    _MODULE_EXPERT_RE,
-    _quant_configs,
-    _read_weight_map,
+from .binding import ExpertRemap, resolve_block
+from .byte_copy import new_hasher
+from .errors import CheckpointError
+from .layout import (
+    MODULE_EXPERT_RE,
     check_block,
     find_count_keys,
-    read_safetensors_header,
-    resolve_block,
+    quant_configs,
+    read_weight_map,
     scan_moe_blocks,
 )
 from .manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from .safetensors_header import ShardHeader, read_safetensors_header
 
 __all__ = ["VerifyError", "VerifyReport", "verify_checkpoint"]
 
@@ -162,7 +160,7 @@ def _load_structure(path: Path, report: VerifyReport, label: str):
         report.fail(f"{label}: config.json is not valid JSON: {exc}")
         return None
     try:
-        index_file, weight_map = _read_weight_map(path)
+        index_file, weight_map = read_weight_map(path)
     except CheckpointError as exc:
         report.fail(f"{label}: {exc}")
         return None
@@ -215,7 +213,7 @@ def verify_checkpoint(
     report.info["tensors"] = len(entries)
     report.info["shards"] = len(shards)
     fmts = []
-    for qc in _quant_configs(config):
+    for qc in quant_configs(config):
         if qc.get("format"):
             fmts.append(qc["format"])
     report.info["quantization_format"] = fmts
@@ -246,14 +244,14 @@ def verify_checkpoint(
         for block in blocks.values():
             for problem in check_block(block, entries, E):
                 report.fail(problem)
-        for qc in _quant_configs(config):
+        for qc in quant_configs(config):
             for key, names in (("ignore", qc.get("ignore")),) + tuple(
                 (f"config_groups.{g}.targets", grp.get("targets"))
                 for g, grp in (qc.get("config_groups") or {}).items()
                 if isinstance(grp, dict)
             ):
                 for item in names or []:
-                    m = _MODULE_EXPERT_RE.match(item) if isinstance(item, str) and not item.startswith("re:") else None
+                    m = MODULE_EXPERT_RE.match(item) if isinstance(item, str) and not item.startswith("re:") else None
                     if not m:
                         continue
                     try:

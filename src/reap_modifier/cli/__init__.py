@@ -1,36 +1,50 @@
-"""The ``reap`` command line: one typer app, commands grouped by concept.
+"""The ``reap`` command line: one typer app, commands grouped by stage.
 
-- checkpoint commands (``reap prune``, ``reap verify``) live in :mod:`.cli_checkpoint`
-- scores commands (``reap scores ...``, ``reap cut``, ``reap tiers``, ``reap compare``)
-  live in :mod:`.cli_scores`
+- ``reap scores merge|show|from-weights``, ``reap cut``: :mod:`.scores`
+- ``reap tiers``, ``reap compare``: :mod:`.analysis`
+- ``reap prune``, ``reap verify``: :mod:`.checkpoint`
+
+Exit codes (every command): 0 ok; 1 a check failed (``reap verify`` found a problem,
+or a rewrite failed after its inputs were accepted); 2 usage or bad input (the
+message says what to change, nothing was written).
 """
 
 from __future__ import annotations
 
+from importlib import import_module
 import typer
+
+__all__ = ["app"]
 
 app = typer.Typer(
     name="reap",
     help="REAP expert pruning: scores, plans, checkpoint surgery and verification.",
+    epilog="Exit codes: 0 ok, 1 a check failed, 2 usage or bad input. "
+    "Example: reap cut scores.safetensors --keep 448 -o plan.json",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
 )
 
 
-def _register() -> None:
-    from importlib import import_module
+def _version(value: bool) -> None:
+    if value:
+        from .. import __version__
 
-    for mod in ("cli_checkpoint", "cli_scores"):
-        try:
-            module = import_module(f"{__package__}.{mod}")
-        except ModuleNotFoundError as exc:  # pragma: no cover - transitional
-            if exc.name != f"{__package__}.{mod}":
-                raise
-            continue
-        module.register(app)
+        typer.echo(f"reap-modifier {__version__}")
+        raise typer.Exit()
 
 
-_register()
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print the version and exit"
+    ),
+) -> None:
+    """REAP expert pruning: scores, plans, checkpoint surgery and verification."""
+
+
+for _module in ("scores", "analysis", "checkpoint"):
+    import_module(f"{__name__}.{_module}").register(app)
 
 if __name__ == "__main__":  # pragma: no cover
     app()

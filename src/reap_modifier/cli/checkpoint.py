@@ -1,4 +1,4 @@
-"""``reap prune`` and ``reap verify``: checkpoint commands of the ``reap`` CLI.
+"""``reap prune`` and ``reap verify``: the checkpoint commands.
 
 Every input is checked before any expensive work (hashing, copying): the scores
 file or plan, the keep count, the plan against the checkpoint (layers, counts,
@@ -14,12 +14,15 @@ from typing import Optional
 
 import typer
 
+from .common import EXIT_CHECK_FAILED, fail
+
 __all__ = ["register", "build_plan_from_scores"]
 
-
-def _die(msg: str, code: int = 2) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(code)
+PRUNE_EXAMPLE = (
+    "Examples: reap prune /models/K3 --scores scores.safetensors --keep 448 --divisible-by 8 "
+    "--out /models/K3-448 ; reap prune /models/K3 --plan plan.json --out /models/K3-448"
+)
+VERIFY_EXAMPLE = "Example: reap verify /models/K3-448 --source /models/K3"
 
 
 def build_plan_from_scores(
@@ -36,9 +39,10 @@ def build_plan_from_scores(
     The checkpoint's config is authoritative for top-k and groups; the scores
     metadata must agree with it where it states them.
     """
-    from .checkpoint import CheckpointError
-    from .plan import PruningPlan, compute_keep_count
-    from .scores import ExpertScores
+    from ..checkpoint.errors import CheckpointError
+    from ..scores import ExpertScores
+    from ..scores.keep_count import compute_keep_count
+    from ..scores.plan import PruningPlan
 
     scores = ExpertScores.load(scores_path)
     meta = scores.metadata
@@ -86,7 +90,7 @@ def build_plan_from_scores(
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("prune")
+    @app.command("prune", epilog=PRUNE_EXAMPLE)
     def prune(
         src: Path = typer.Argument(..., help="source checkpoint directory (safetensors, e.g. MXFP4 compressed-tensors)"),
         out: Path = typer.Option(..., "--out", "-o", help="output directory (written to a temp dir next to it, then renamed)"),
@@ -115,20 +119,26 @@ def register(app: typer.Typer) -> None:
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     ):
         """Prune routed experts from a checkpoint: kept experts' bytes copied verbatim."""
-        from .checkpoint import CheckpointError, bind_plan, check_destination, inspect_checkpoint, rewrite_checkpoint
-        from .plan import PlanError, PruningPlan
-        from .scores import ScoresError
+        from ..checkpoint import (
+            CheckpointError,
+            bind_plan,
+            check_destination,
+            inspect_checkpoint,
+            rewrite_checkpoint,
+        )
+        from ..scores import ScoresError
+        from ..scores.plan import PlanError, PruningPlan
 
         if (scores is None) == (plan is None):
-            _die("give exactly one of --scores (with --keep or --sparsity) or --plan")
+            fail("give exactly one of --scores (with --keep or --sparsity) or --plan")
         if plan is not None and (keep is not None or sparsity is not None or divisible_by is not None):
-            _die("--keep / --sparsity / --divisible-by cut a plan from --scores; they do not apply to --plan")
+            fail("--keep / --sparsity / --divisible-by cut a plan from --scores; they do not apply to --plan")
         if scores is not None and (keep is None) == (sparsity is None):
-            _die("with --scores give exactly one of --keep N or --sparsity S")
+            fail("with --scores give exactly one of --keep N or --sparsity S")
         if output_checksum not in (None, "xxh3_128", "sha256"):
-            _die(f"--output-checksum must be xxh3_128 or sha256, got {output_checksum!r}")
+            fail(f"--output-checksum must be xxh3_128 or sha256, got {output_checksum!r}")
         if extra_layers not in ("error", "like-last"):
-            _die(f"--extra-layers must be 'error' or 'like-last', got {extra_layers!r}")
+            fail(f"--extra-layers must be 'error' or 'like-last', got {extra_layers!r}")
         try:
             layout = inspect_checkpoint(src)
             if layout.unindexed_files:
@@ -144,7 +154,7 @@ def register(app: typer.Typer) -> None:
                 )
             spec = bind_plan(layout, the_plan, extra_layers=extra_layers)
         except (CheckpointError, PlanError, ScoresError) as exc:
-            _die(str(exc))
+            fail(exc)
         if save_plan is not None:
             the_plan.save(save_plan)
         typer.echo(
@@ -168,17 +178,17 @@ def register(app: typer.Typer) -> None:
                 manifest_extra={"cli": {"argv": sys.argv[1:], "plan_file": str(plan) if plan else None}},
             )
         except (CheckpointError, PlanError) as exc:
-            _die(str(exc), 1)
+            fail(exc, EXIT_CHECK_FAILED)
         typer.echo(str(dst))
 
-    @app.command("verify")
+    @app.command("verify", epilog=VERIFY_EXAMPLE)
     def verify(
         dst: Path = typer.Argument(..., help="checkpoint directory to verify (a pruned output)"),
         source: Optional[Path] = typer.Option(None, "--source", help="the source checkpoint: compare every tensor's sha256"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     ):
         """Check a pruned checkpoint: counts, routers, expert indices, manifest, and (with --source) bytes."""
-        from .verify import verify_checkpoint
+        from ..checkpoint.verify import verify_checkpoint
 
         report = verify_checkpoint(dst, source=source, progress=not quiet)
         for w in report.warnings:
@@ -187,7 +197,7 @@ def register(app: typer.Typer) -> None:
             for f in report.failures:
                 typer.echo(f"FAIL: {f}", err=True)
             typer.echo(f"{dst}: verification FAILED ({len(report.failures)} problem(s))", err=True)
-            raise typer.Exit(1)
+            raise typer.Exit(EXIT_CHECK_FAILED)
         info = report.info
         typer.echo(
             f"{dst}: OK ({info.get('moe_layers')} MoE layers x {info.get('num_experts')} experts, "

@@ -1,9 +1,4 @@
-"""``reap`` subcommands for scores files: merge, show, from-weights, cut, tiers, compare.
-
-Options that take several values accept them space-separated after one flag
-(``--keep 672 448 384 224``, ``--corpus-of B=en C=en+zh``) or repeated
-(``--keep 672 --keep 448``). Put positional arguments (files) before such options.
-"""
+"""``reap scores merge|show|from-weights`` and ``reap cut``: the scores file commands."""
 
 from __future__ import annotations
 
@@ -12,63 +7,20 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-from typer.core import TyperCommand
 
-from .plan import PlanError
-from .scores import ExpertScores, ScoresError
+from ..scores import ExpertScores, ScoresError
+from ..scores.plan import PlanError
+from .common import console, fail
 
 __all__ = ["register"]
 
-console = Console()
-if not console.is_terminal:  # pipes, CI logs, CliRunner: do not squeeze tables to 80 columns
-    console.width = max(console.width, 160)
-err_console = Console(stderr=True)
-
-#: options that consume every following value up to the next ``-``-prefixed token
-_GREEDY = ("--keep", "--sparsity", "--corpus-of", "--per-source")
-
-
-class _GreedyCommand(TyperCommand):
-    """Expands ``--opt v1 v2 v3`` into ``--opt v1 --opt v2 --opt v3`` for the options of
-    this command that take several values (typer/click options take one per flag)."""
-
-    greedy: tuple[str, ...] = ()
-
-    def parse_args(self, ctx, args):
-        out: list[str] = []
-        i = 0
-        while i < len(args):
-            tok = args[i]
-            out.append(tok)
-            i += 1
-            if tok in self.greedy:
-                first = True
-                while i < len(args) and (first or not args[i].startswith("-")):
-                    if not first:
-                        out.append(tok)
-                    out.append(args[i])
-                    i += 1
-                    first = False
-        return super().parse_args(ctx, out)
-
-
-def _greedy(*names: str) -> type[_GreedyCommand]:
-    return type("GreedyCommand", (_GreedyCommand,), {"greedy": names})
-
-
-def _fail(exc: Exception) -> None:
-    err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code=1)
+_ERRORS = (ScoresError, PlanError)
 
 
 def _load(path: Path) -> ExpertScores:
     return ExpertScores.load(path)
-
-
-_ERRORS = (ScoresError, PlanError)
 
 
 def _fmt_int(x: float) -> str:
@@ -83,7 +35,9 @@ scores_app = typer.Typer(
 )
 
 
-@scores_app.command("merge")
+@scores_app.command(
+    "merge", epilog="Example: reap scores merge scores_en.safetensors scores_zh.safetensors -o scores_en_zh.safetensors"
+)
 def merge_cmd(
     inputs: list[Path] = typer.Argument(..., help="two or more scores files from the same model"),
     output: Path = typer.Option(..., "-o", "--output", help="merged scores file to write"),
@@ -103,7 +57,7 @@ def merge_cmd(
         merged.metadata["merged_from"] = [str(p) for p in inputs]
         merged.validate().save(output)
     except _ERRORS as exc:
-        _fail(exc)
+        fail(exc)
     toks = ", ".join(f"{s}={n:,}" for s, n in merged.source_tokens().items())
     console.print(
         f"wrote {output}: {len(merged.layers)} layers x {merged.num_experts} experts, "
@@ -111,7 +65,7 @@ def merge_cmd(
     )
 
 
-@scores_app.command("show")
+@scores_app.command("show", epilog="Example: reap scores show scores.safetensors")
 def show_cmd(
     path: Path = typer.Argument(..., help="scores file"),
 ) -> None:
@@ -119,7 +73,7 @@ def show_cmd(
     try:
         s = _load(path)
     except _ERRORS as exc:
-        _fail(exc)
+        fail(exc)
     import torch
 
     meta = Table(title=escape(str(path)), show_header=False)
@@ -189,7 +143,9 @@ def show_cmd(
     console.print(table)
 
 
-@scores_app.command("from-weights")
+@scores_app.command(
+    "from-weights", epilog="Example: reap scores from-weights /models/K3 --method router_l1 -o l1.safetensors"
+)
 def from_weights_cmd(
     checkpoint: Path = typer.Argument(..., help="safetensors checkpoint folder (or one file)"),
     method: str = typer.Option(..., "--method", help="router_l1 | router_signed_sum | random"),
@@ -198,20 +154,22 @@ def from_weights_cmd(
 ) -> None:
     """A calibration-free baseline scores file computed from router weights alone
     (reads only the router tensors; the model is never loaded)."""
-    from .baselines import scores_from_weights
+    from ..scores.baselines import scores_from_weights
 
     try:
         s = scores_from_weights(checkpoint, method, seed=seed)
         s.save(output)
     except _ERRORS as exc:
-        _fail(exc)
+        fail(exc)
     console.print(
         f"wrote {output}: {method} for {len(s.layers)} MoE layers x {s.num_experts} experts "
         f"({s.metadata.get('model_class') or 'unknown class'}, top_k={s.metadata.get('top_k')})"
     )
 
 
-# -- reap cut / tiers / compare -------------------------------------------------------------
+# -- reap cut -------------------------------------------------------------------------------
+
+CUT_EXAMPLE = "Example: reap cut scores.safetensors --keep 448 --divisible-by 8 -o plan.json"
 
 
 def cut_cmd(
@@ -229,8 +187,8 @@ def cut_cmd(
     """Cut a scores file into a pruning plan (any tier, no recalibration), with the same
     keep-count rule as the modifier. The plan is what `reap prune --plan` and the
     modifier's `plan_in:` accept."""
-    from .fileio import sha256_file
-    from .plan import plan_from_scores
+    from ..fileio import sha256_file
+    from ..scores.plan import plan_from_scores
 
     t0 = time.perf_counter()
     try:
@@ -242,7 +200,7 @@ def cut_cmd(
         )
         plan.save(output)
     except _ERRORS as exc:
-        _fail(exc)
+        fail(exc)
     dt = time.perf_counter() - t0
     masses = list(plan.retained.values())
     console.print(
@@ -259,121 +217,7 @@ def cut_cmd(
         console.print(f"  [yellow]{sum(plan.ties.values())} experts tied at the cut (lower index kept)[/]")
 
 
-def tiers_cmd(
-    scores: Path = typer.Argument(..., help="scores file"),
-    keep: Optional[list[int]] = typer.Option(None, "--keep", help="keep counts (several)"),
-    sparsity: Optional[list[float]] = typer.Option(None, "--sparsity", help="sparsities (several)"),
-    saliency: Optional[str] = typer.Option(None, "--saliency", help="criterion (default reap)"),
-    out_dir: Optional[Path] = typer.Option(None, "-o", "--out", help="write tiers.json/.md/.png here"),
-) -> None:
-    """Retained saliency mass per tier, marginal cost per pruned expert, and whether
-    the saliency curve has a knee."""
-    from .tiers import tiers_report, write_tiers_report
-
-    try:
-        if not keep and not sparsity:
-            raise ScoresError("give tiers with --keep N [N ...] and/or --sparsity S [S ...]")
-        s = _load(scores)
-        report = tiers_report(s, keep or [], sparsities=sparsity or [], saliency=saliency)
-    except _ERRORS as exc:
-        _fail(exc)
-    table = Table(title=f"retained {report['saliency']} mass ({report['num_layers']} layers x "
-                        f"{report['num_experts']} experts)")
-    for col in ("keep", "pruned", "retained (mean)", "min layer", "cost/expert since prev tier"):
-        table.add_column(col, justify="right")
-    between = {b["to_keep"]: b for b in report["between_tiers"]}
-    for t in report["tiers"]:
-        b = between.get(t["keep"])
-        table.add_row(
-            str(t["keep"]), f"{100 * t['pruned_fraction']:.1f}%",
-            f"{100 * t['retained_mass_mean']:.1f}%", f"{100 * t['retained_mass_min']:.1f}%",
-            "-" if b is None else f"{100 * b['cost_per_expert']:.4f}% ({b['cost_per_expert_vs_uniform']:.2f}x uniform)",
-        )
-    console.print(table)
-    console.print(f"[bold]Is there a knee?[/] {report['answer']}", soft_wrap=True)
-    if out_dir is not None:
-        paths = write_tiers_report(report, out_dir)
-        console.print("wrote " + ", ".join(str(p) for p in paths.values()))
-
-
-def _key_values(items: list[str] | None, what: str) -> dict[str, str]:
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key or not value:
-            raise typer.BadParameter(f"{what} expects KEY=VALUE, got {item!r}")
-        out[key] = value
-    return out
-
-
-def compare_cmd(
-    files: list[Path] = typer.Argument(..., help="scores files A B [C ...], earlier first"),
-    keep: Optional[int] = typer.Option(None, "--keep", help="experts kept per layer"),
-    sparsity: Optional[float] = typer.Option(None, "--sparsity", help="or a sparsity"),
-    divisible_by: Optional[int] = typer.Option(None, "--divisible-by"),
-    saliency: Optional[str] = typer.Option(None, "--saliency", help="criterion for calibration files"),
-    corpus_of: Optional[list[str]] = typer.Option(
-        None, "--corpus-of", help="LABEL=corpus, e.g. B=en C=en+zh (label A, B, ... or file name)"),
-    per_source: Optional[list[str]] = typer.Option(
-        None, "--per-source", help="SOURCE=FILE scores calibrated on one source, e.g. en=SA zh=SB"),
-    threshold: float = typer.Option(1.5, "--ratio", help="routing-rate ratio threshold"),
-    out_dir: Path = typer.Option(..., "-o", "--out", help="report folder"),
-) -> None:
-    """Compare rankings pairwise: keep/drop flips per layer and overall, retained mass,
-    and promoted experts' routing ratio between corpora and support."""
-    from .compare import Ranking, compare_rankings, write_compare_report
-
-    try:
-        if len(files) < 2:
-            raise ScoresError("compare needs at least two scores files")
-        corpora = _key_values(corpus_of, "--corpus-of")
-        sources = _key_values(per_source, "--per-source")
-        rankings = []
-        for i, path in enumerate(files):
-            label = chr(ord("A") + i) if i < 26 else f"R{i}"
-            corpus = None
-            for key in (label, path.stem, path.name, str(path)):
-                corpus = corpora.pop(key, None) or corpus
-            rankings.append(Ranking(label=label, scores=_load(path), path=str(path), corpus=corpus))
-        if corpora:
-            raise ScoresError(
-                f"--corpus-of names unknown rankings {sorted(corpora)}; use the labels "
-                f"{[r.label for r in rankings]} or the file names"
-            )
-        per = {src: _load(Path(p)) for src, p in sources.items()} or None
-        result = compare_rankings(
-            rankings, keep, sparsity=sparsity, divisible_by=divisible_by, saliency=saliency,
-            per_source=per, threshold=threshold,
-        )
-        paths = write_compare_report(result, out_dir, rankings, per)
-    except _ERRORS as exc:
-        _fail(exc)
-    table = Table(title=f"keep/drop flips at keep {result['keep']} ({result['num_layers']} layers)")
-    for col in ("pair", "change", "flips", "% kept slots", "x first", "mass earlier/later",
-                "promoted >=%gx by b (all)" % result["threshold"]):
-        table.add_column(col, justify="left" if col in ("pair", "change") else "right")
-    for p in result["pairs"]:
-        m = p["mass"]
-        mass = " / ".join("n/a" if v is None else f"{100 * v:.1f}%"
-                          for v in (m["own_earlier"], m["own_later"]))
-        route = "; ".join(
-            f"{r['b']}/{r['a']}: "
-            + ("n/a" if r["promoted_frac_more_by_b"] is None else f"{100 * r['promoted_frac_more_by_b']:.0f}%")
-            + f" ({100 * r['all_frac_more_by_b']:.0f}%)"
-            for r in p["routing"]
-        ) or "-"
-        table.add_row(
-            f"{p['earlier']} -> {p['later']}", p["change"], f"{p['flips']:,}",
-            f"{p['pct_of_kept_slots']:.2f}%",
-            "-" if p["x_first_pair"] is None else f"{p['x_first_pair']:.2f}x", mass, route,
-        )
-    console.print(table)
-    console.print("wrote " + ", ".join(str(p) for p in paths.values()))
-
-
 def register(app: typer.Typer) -> None:
-    """Add ``scores {merge,show,from-weights}``, ``cut``, ``tiers``, ``compare`` to ``app``."""
+    """Add ``scores {merge,show,from-weights}`` and ``cut`` to ``app``."""
     app.add_typer(scores_app, name="scores")
-    app.command("cut")(cut_cmd)
-    app.command("tiers", cls=_greedy("--keep", "--sparsity"))(tiers_cmd)
-    app.command("compare", cls=_greedy("--corpus-of", "--per-source"))(compare_cmd)
+    app.command("cut", epilog=CUT_EXAMPLE)(cut_cmd)

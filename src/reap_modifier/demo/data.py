@@ -1,4 +1,4 @@
-"""Corpora helpers for the demo (issue 5): paragraph extraction / filtering, the deterministic
+"""Corpora helpers for the main job: paragraph extraction / filtering, the deterministic
 train / calib / eval split, loading the built splits, and turning them into calibration
 ``datasets.Dataset`` objects and evaluation windows.
 
@@ -248,7 +248,7 @@ def split_records(
 
 
 def default_data_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "data"
+    return Path(__file__).resolve().parents[3] / "data"
 
 
 def split_path(data_dir: str | Path, lang: str, split: str) -> Path:

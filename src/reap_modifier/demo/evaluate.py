@@ -1,4 +1,4 @@
-"""Evaluation of pruned models against the unpruned one (issue 5's main job).
+"""Evaluation of pruned models against the unpruned one (the main job's metrics).
 
 Pure functions over causal LMs (anything whose ``model(input_ids=x).logits`` is ``[B, T, V]``) and
 token-id tensors, unit-tested on tiny random models:
@@ -243,7 +243,7 @@ def zero_routed_experts(model: Any) -> list:
     """Make every routed expert of every MoE layer output zeros (forward hooks; shared experts,
     routers and everything else untouched) -- the "no routed experts at all" reference that sizes
     what pruning can cost at most. Returns the hook handles (``.remove()`` them to undo)."""
-    from .adapters import find_moe_architecture
+    from ..models import find_moe_architecture
 
     def zero(module, args, output):
         return torch.zeros_like(output)

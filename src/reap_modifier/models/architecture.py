@@ -1,16 +1,9 @@
-"""Architecture adapters: where a MoE layer's router, experts and counts live.
+"""Architecture discovery: every prunable MoE block of a model and the config's MoE fields.
 
-Two dispatch shapes cover the supported families:
-
-- ``experts_call``: the block calls ``experts(hidden [N,H], top_k_ids [N,k],
-  top_k_weights [N,k])``. transformers 5 native fused experts (Qwen3-MoE, OLMoE,
-  Mixtral, DeepSeek-V3, GLM4-MoE, GPT-OSS) and llm-compressor's linearized
-  ``LinearExperts2D`` all have this signature.
-- ``kimi``: Kimi K3 / Kimi Linear ``KimiSparseMoeBlock``: the gate returns
-  ``(top_k_ids, top_k_weights)``, the experts are a ``ModuleList`` of ``w1/w2/w3``
-  MLPs dispatched by ``moe_infer`` (routed) or ``moe_train`` (calibrate-all), and
-  for a latent MoE the experts work in the latent space between
-  ``routed_expert_down_proj`` and ``routed_expert_up_proj``.
+:func:`find_moe_architecture` walks the model, asks the registered adapters
+(:mod:`.base`) which dispatch shape each block has, and reads the expert count,
+top-k and expert groups from the (text) config. The result, a
+:class:`MoEArchitecture`, is what the observer, the plan and the surgery work from.
 """
 
 from __future__ import annotations
@@ -21,34 +14,24 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .base import adapter_for
+from .config_keys import (
+    COUNT_KEYS,
+    EXPERTS_ATTR,
+    N_GROUP_KEYS,
+    ROUTER_ATTRS,
+    TOP_K_KEYS,
+    TOPK_GROUP_KEYS,
+    first_key,
+    text_config,
+)
+
 __all__ = [
-    "COUNT_KEYS",
     "MoEArchitecture",
     "MoELayer",
     "NoMoEError",
     "find_moe_architecture",
 ]
-
-# Config keys, shared by everything that reads MoE fields from a config object or a
-# config.json (adapters, checkpoint rewriter, weight baselines).
-#: the routed-expert count, per family
-COUNT_KEYS = ("num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts")
-#: experts per token (``top_k`` last: old configs also carry a sampling ``top_k``)
-TOP_K_KEYS = (
-    "num_experts_per_tok",
-    "num_experts_per_token",
-    "experts_per_token",
-    "moe_top_k",
-    "moe_topk",
-    "top_k_experts",
-    "top_k",
-)
-N_GROUP_KEYS = ("n_group", "num_expert_group")
-TOPK_GROUP_KEYS = ("topk_group", "top_k_group")
-ROUTER_ATTRS = ("gate", "router")
-EXPERTS_ATTR = "experts"
-#: per-module integer attributes that mirror the expert count
-MODULE_COUNT_ATTRS = ("num_experts", "n_routed_experts", "experts_per_rank", "num_local_experts")
 
 
 class NoMoEError(ValueError):
@@ -110,41 +93,6 @@ class MoEArchitecture:
         }
 
 
-def text_config(config):
-    """The config holding MoE fields (``text_config`` for multimodal wrappers such as K3)."""
-    sub = getattr(config, "text_config", None)
-    return sub if sub is not None else config
-
-
-def _first(config, keys) -> tuple[str | None, object]:
-    for key in keys:
-        value = getattr(config, key, None)
-        if value is not None:
-            return key, value
-    return None, None
-
-
-def _is_kimi_block(module: nn.Module) -> bool:
-    return (
-        isinstance(getattr(module, EXPERTS_ATTR, None), nn.ModuleList)
-        and hasattr(module, "moe_infer")
-        and hasattr(module, "gate")
-    )
-
-
-def _is_experts_call(experts: nn.Module) -> bool:
-    """Experts with the ``forward(hidden, top_k_ids, top_k_weights)`` signature."""
-    from llmcompressor.modeling.moe.helpers import FusedExpertsProtocol
-    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
-
-    if isinstance(experts, LinearExperts2D) or isinstance(experts, FusedExpertsProtocol):
-        return True
-    # fused 3-D experts not decorated by `use_experts_implementation` (e.g. GPT-OSS
-    # variants): a leading expert dimension on the projection parameters
-    params = dict(experts.named_parameters(recurse=False))
-    return "down_proj" in params and params["down_proj"].dim() == 3
-
-
 def _classify(module: nn.Module) -> tuple[str, str] | None:
     experts = getattr(module, EXPERTS_ATTR, None)
     if experts is None or not isinstance(experts, nn.Module):
@@ -155,11 +103,8 @@ def _classify(module: nn.Module) -> tuple[str, str] | None:
     router = getattr(module, router_attr)
     if not isinstance(getattr(router, "weight", None), torch.Tensor):
         return None
-    if _is_kimi_block(module):
-        return router_attr, "kimi"
-    if _is_experts_call(experts):
-        return router_attr, "experts_call"
-    return None
+    adapter = adapter_for(module, experts, router)
+    return (router_attr, adapter.kind) if adapter is not None else None
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -225,11 +170,11 @@ def find_moe_architecture(model: nn.Module, ignore: list[str] | None = None) -> 
             f"{type(cfg).__name__} has none of the expert-count keys {COUNT_KEYS}"
         )
     num_experts = int(getattr(cfg, count_keys[0]))
-    _, top_k = _first(cfg, TOP_K_KEYS)
+    _, top_k = first_key(cfg, TOP_K_KEYS)
     if top_k is None:
         raise NoMoEError(f"{type(cfg).__name__} has none of the top-k keys {TOP_K_KEYS}")
-    _, n_group = _first(cfg, N_GROUP_KEYS)
-    _, topk_group = _first(cfg, TOPK_GROUP_KEYS)
+    _, n_group = first_key(cfg, N_GROUP_KEYS)
+    _, topk_group = first_key(cfg, TOPK_GROUP_KEYS)
 
     for layer in found:
         rows = layer.router.weight.shape[0]

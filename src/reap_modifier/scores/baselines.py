@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .adapters import COUNT_KEYS, N_GROUP_KEYS, TOP_K_KEYS, TOPK_GROUP_KEYS
-from .scores import BASELINE_METHODS, KIND_WEIGHTS, ExpertScores, ScoresError
+from ..models.config_keys import COUNT_KEYS, N_GROUP_KEYS, TOP_K_KEYS, TOPK_GROUP_KEYS
+from .scores_file import BASELINE_METHODS, KIND_WEIGHTS, ExpertScores, ScoresError
 
 __all__ = [
     "BASELINE_METHODS",

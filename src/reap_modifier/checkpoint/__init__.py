@@ -1,0 +1,58 @@
+"""Checkpoints on disk: the bit-exact rewriter (``reap prune``), ``reap verify``, the
+pruning manifest, and the modifier's save path through the rewriter.
+
+Stages of a rewrite, one module each: :mod:`.layout` reads a checkpoint's headers and
+finds its MoE blocks; :mod:`.binding` maps a plan onto them; :mod:`.converter` is the
+compressed-tensors ``Converter`` that applies it; :mod:`.byte_copy` streams kept byte
+ranges; :mod:`.source_hashes` hashes the source alongside; :mod:`.upstream` holds the
+workarounds for compressed-tensors' ``convert_checkpoint``; :mod:`.destination` makes
+the output atomic; :mod:`.rewrite` is the entry point.
+"""
+
+from .binding import (
+    ExpertRemap,
+    RewriteSpec,
+    bind_plan,
+    renumber_module_names,
+    resolve_block,
+)
+from .byte_copy import default_output_checksum, new_hasher
+from .converter import ExpertPlanPruner
+from .destination import check_destination
+from .errors import CheckpointError, DestinationError
+from .layout import (
+    COUNT_KEY_CONTAINERS,
+    CheckpointLayout,
+    MoEBlock,
+    find_count_keys,
+    inspect_checkpoint,
+)
+from .rewrite import DEFAULT_METHOD, rewrite_checkpoint
+from .safetensors_header import ShardHeader, TensorEntry, read_safetensors_header
+from .source_hashes import SourceHasher, default_hash_cache
+
+__all__ = [
+    "COUNT_KEY_CONTAINERS",
+    "CheckpointError",
+    "CheckpointLayout",
+    "DEFAULT_METHOD",
+    "DestinationError",
+    "ExpertPlanPruner",
+    "ExpertRemap",
+    "MoEBlock",
+    "RewriteSpec",
+    "ShardHeader",
+    "SourceHasher",
+    "TensorEntry",
+    "bind_plan",
+    "check_destination",
+    "default_hash_cache",
+    "default_output_checksum",
+    "find_count_keys",
+    "inspect_checkpoint",
+    "new_hasher",
+    "read_safetensors_header",
+    "renumber_module_names",
+    "resolve_block",
+    "rewrite_checkpoint",
+]

@@ -1,0 +1,13 @@
+"""Errors of the checkpoint tools: each says what is wrong and what to change."""
+
+from __future__ import annotations
+
+__all__ = ["CheckpointError", "DestinationError"]
+
+
+class CheckpointError(ValueError):
+    """The checkpoint (or the plan against it) cannot be rewritten; says why."""
+
+
+class DestinationError(CheckpointError):
+    """The output path is refused (not empty, the source, inside the source...)."""

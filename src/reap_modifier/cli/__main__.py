@@ -1,0 +1,5 @@
+"""``python -m reap_modifier.cli``: the ``reap`` command."""
+
+from . import app
+
+app()

@@ -1,0 +1,19 @@
+"""Where a model's MoE layers live: adapters per dispatch shape, architecture discovery,
+config keys, and the in-memory surgery that cuts experts out of a loaded model."""
+
+from . import experts_call, kimi  # noqa: F401  (register the adapters, Kimi first)
+from .architecture import MoEArchitecture, MoELayer, NoMoEError, find_moe_architecture
+from .base import MoEAdapter, register_adapter, registered_adapters
+from .config_keys import COUNT_KEYS, text_config
+
+__all__ = [
+    "COUNT_KEYS",
+    "MoEAdapter",
+    "MoEArchitecture",
+    "MoELayer",
+    "NoMoEError",
+    "find_moe_architecture",
+    "register_adapter",
+    "registered_adapters",
+    "text_config",
+]
