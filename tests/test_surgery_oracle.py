@@ -18,9 +18,9 @@ from tiny_models import ALL_FAMILIES, FAMILIES, build_tiny, reload_class, sample
 
 from reap_modifier import REAPPruningModifier
 from reap_modifier.models import find_moe_architecture, text_config
-from reap_modifier.models.surgery import apply_plan
 from reap_modifier.scores.keep_count import compute_keep_count
 from reap_modifier.scores.plan import PruningPlan
+from reap_modifier.surgery import apply_plan
 
 HERE = Path(__file__).parent
 

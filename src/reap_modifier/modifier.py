@@ -26,11 +26,11 @@ from .checkpoint.compressed_save import compressed_source, route_save_through_re
 from .checkpoint.manifest import build_manifest, tool_versions
 from .fileio import sha256_file, write_json_atomic
 from .models import MoEArchitecture, find_moe_architecture
-from .models.surgery import apply_plan
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
 from .scores.baselines import baseline_saliency, baseline_scores, layer_number, model_fingerprint
 from .scores.keep_count import KeepCount, compute_keep_count
 from .scores.plan import PruningPlan
+from .surgery import apply_plan
 
 __all__ = ["REAPPruningModifier"]
 

@@ -1,5 +1,5 @@
-"""Where a model's MoE layers live: adapters per dispatch shape, architecture discovery,
-config keys, and the in-memory surgery that cuts experts out of a loaded model."""
+"""Where a model's MoE layers live: adapters per dispatch shape, architecture discovery
+and the MoE config keys."""
 
 from . import experts_call, kimi  # noqa: F401  (register the adapters, Kimi first)
 from .architecture import MoEArchitecture, MoELayer, NoMoEError, find_moe_architecture

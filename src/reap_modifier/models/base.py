@@ -4,7 +4,7 @@ Every MoE family this package prunes has a block with a router (``gate`` /
 ``router``, one weight row per routed expert) and an ``experts`` module. What differs
 is how the block dispatches tokens to its experts, which decides how calibration
 observes them (see :mod:`reap_modifier.calibration.observer`) and how surgery cuts
-them (:mod:`reap_modifier.models.surgery`). An adapter is a small class registered
+them (:mod:`reap_modifier.surgery`). An adapter is a small class registered
 with :func:`register_adapter`; adding a dispatch shape is one new file in this
 package (plus its observation hooks). Families that share a shape need nothing:
 they are recognised by structure, not by class name.

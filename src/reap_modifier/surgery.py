@@ -16,9 +16,9 @@ from compressed_tensors.offload.utils import to_tensor
 from loguru import logger
 from torch import nn
 
-from ..scores.plan import PlanError, PruningPlan
-from .architecture import MoEArchitecture, MoELayer
-from .config_keys import MODULE_COUNT_ATTRS
+from .models import MoEArchitecture, MoELayer
+from .models.config_keys import MODULE_COUNT_ATTRS
+from .scores.plan import PlanError, PruningPlan
 
 __all__ = ["apply_plan", "prune_layer", "update_config_counts"]
 
