@@ -35,6 +35,7 @@ architecture; reload it with ``reload_class("kimi_linear")`` instead.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,7 @@ __all__ = [
     "info_for",
     "sample_input_ids",
     "text_config",
+    "batch_invariant_numerics",
 ]
 
 #: the seven families of the brief (kimi_linear is extra, see ``ALL_FAMILIES``)
@@ -561,3 +563,75 @@ def sample_input_ids(
     """Deterministic random token ids in ``[3, vocab)`` (avoids pad/bos/eos)."""
     gen = torch.Generator().manual_seed(int(seed))
     return torch.randint(3, int(vocab), (int(batch), int(seq)), generator=gen)
+
+
+# ---------------------------------------------------------------------------
+def _attention_in_model_dtype(module, query, key, value, attention_mask, scaling,
+                              dropout: float = 0.0, **kwargs):
+    """Eager attention with the softmax in the query dtype (upstream: float32)."""
+    n_rep = module.num_key_value_groups
+    if n_rep > 1:
+        key = key.repeat_interleave(n_rep, dim=1)
+        value = value.repeat_interleave(n_rep, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, value).transpose(1, 2).contiguous()
+    return out, probs
+
+
+class _GateFunctional:
+    """``torch.nn.functional`` for Kimi's modeling module, except that ``linear`` on
+    float32 inputs (only the router gate casts to float32) multiplies in float64 and
+    rounds the result to float32."""
+
+    def __getattr__(self, name):
+        return getattr(torch.nn.functional, name)
+
+    @staticmethod
+    def linear(x, weight, bias=None):
+        if x.dtype != torch.float32:
+            return torch.nn.functional.linear(x, weight, bias)
+        out = torch.nn.functional.linear(
+            x.double(), weight.double(), None if bias is None else bias.double()
+        )
+        return out.to(torch.float32)
+
+
+@contextlib.contextmanager
+def batch_invariant_numerics():
+    """Make float64 Qwen3-MoE and Kimi K3 / Kimi Linear compute every token the same
+    way whatever else is in its batch, for tests that compare padded with unpadded
+    batches (or one process with several ranks at batch size > 1) to 1e-9.
+
+    Two float32 steps of the upstream models depend on the batch shape:
+
+    - eager attention (which llm-compressor forces during calibration) takes the
+      softmax in float32 in both models: a row padded to a longer length sums its
+      (exactly zero) extra terms in another order and the real tokens' hidden states
+      move by ~1e-7 relative, enough to flip a near-tied routing decision of a tiny
+      random model. Here the softmax stays in the model dtype.
+    - Kimi's router gate computes its logits with a float32 matrix product, whose
+      rounding depends on the number of rows: gate weights move by ~1e-8 relative.
+      Here that product runs in float64 and is rounded to float32.
+
+    With both, padded and unpadded batches agree to ~1e-16. Patched at module level,
+    so the sequential pipeline's tracer picks it up as well.
+    """
+    from llmcompressor.modeling.kimi_k3 import modeling_kimi_linear
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    saved = [
+        (modeling_qwen3_moe, "eager_attention_forward", _attention_in_model_dtype),
+        (modeling_kimi_linear, "eager_attention_forward", _attention_in_model_dtype),
+        (modeling_kimi_linear, "F", _GateFunctional()),
+    ]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in saved]
+    for module, name, value in saved:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in originals:
+            setattr(module, name, value)

@@ -9,17 +9,23 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 
 from loguru import logger
+from torch.utils.data import Sampler
 
 from .models.config_keys import COUNT_KEYS
 from .fileio import write_json_atomic
 
 __all__ = [
+    "RankShareSampler",
+    "add_calibration_batch_listener",
     "decompress_loaded_model",
     "fix_saved_expert_counts",
     "install",
+    "rebuild_traced_config",
     "register_kimi_auto_classes",
+    "remove_calibration_batch_listener",
     "repack_linearized_experts",
 ]
 
@@ -178,12 +184,249 @@ def decompress_loaded_model(model) -> bool:
     return True
 
 
+# -- data-parallel calibration: every rank passes the same dataset ----------------------
+
+
+class RankShareSampler(Sampler[int]):
+    """This rank's share of the samples one process would calibrate on, as indices
+    into the *full* dataset (the calibration DataLoader is built over the full one).
+
+    The selection is the one llm-compressor makes in a single process with the same
+    arguments, ``n = min(num_calibration_samples, len(dataset))`` samples:
+
+    - ``shuffle_calibration_samples=False``: ``LengthAwareSampler``'s choice and order
+      (the ``n`` longest samples, longest first);
+    - ``shuffle_calibration_samples=True``: ``RandomSampler``'s draw, made on rank 0
+      from rank 0's torch RNG at iteration time (as a single process draws it) and
+      broadcast, so every rank splits the same permutation.
+
+    Rank ``r`` of ``W`` takes positions ``r, r + W, r + 2W, ...`` of that list: shares
+    are disjoint, cover the selection, differ in size by at most one sample and keep
+    the longest-first order (so batches pad little and token loads balance).
+    """
+
+    def __init__(self, dataset, num_samples: int | None, shuffle: bool, batch_size: int,
+                 rank: int, world_size: int):
+        from llmcompressor.datasets.utils import LengthAwareSampler
+
+        self.dataset_len = len(dataset)
+        self.num_selected = min(num_samples or self.dataset_len, self.dataset_len)
+        self.shuffle = shuffle
+        self.rank = rank
+        self.world_size = world_size
+        if self.num_selected < world_size:
+            raise ValueError(
+                f"data-parallel calibration over {world_size} ranks needs at least one "
+                f"sample per rank, but only {self.num_selected} calibration samples were "
+                "selected; raise num_calibration_samples (or use fewer ranks)"
+            )
+        self._fixed = (
+            None
+            if shuffle
+            else list(LengthAwareSampler(dataset, num_samples=self.num_selected,
+                                         batch_size=batch_size))
+        )
+
+    def selection(self) -> list[int]:
+        """The selection over all ranks (collective when shuffling)."""
+        if self._fixed is not None:
+            return self._fixed
+        import torch.distributed as dist
+        from torch.utils.data import RandomSampler
+
+        drawn = [
+            list(RandomSampler(range(self.dataset_len), num_samples=self.num_selected))
+            if self.rank == 0
+            else None
+        ]
+        dist.broadcast_object_list(drawn, src=0)
+        return drawn[0]
+
+    def __iter__(self):
+        return iter(self.selection()[self.rank :: self.world_size])
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.num_selected, self.world_size))
+
+
+def _patch_rank_partition() -> None:
+    """Why: llm-compressor 0.14.0.1 partitions a dataset that every rank passed
+    identically in ``datasets/utils.py::_make_sampler`` by slicing it
+    (``dataset = dataset.select(range(start, end))``) and returning a sampler over the
+    *slice*, while ``format_calibration_data`` builds the DataLoader over the *full*
+    dataset. The sampler's slice-relative indices ``0..len(slice)-1`` therefore read
+    the first samples of the full dataset on every rank: with 2 ranks and 12 samples
+    both ranks calibrate on samples 0-5, samples 6-11 are never seen, and decisions
+    differ from a single process although token totals agree. The slice is also cut
+    from ``num_calibration_samples`` before it is clamped to the dataset length, so the
+    default (512) with a smaller dataset raises ``IndexError``.
+
+    We keep upstream's detection (``_is_dist_and_same_ds``, a collective every rank
+    runs) and upstream's sampler for every other case, and replace the partitioning
+    branch by :class:`RankShareSampler`, whose indices address the full dataset.
+    """
+    from llmcompressor.datasets import utils as ds_utils
+
+    original = ds_utils._make_sampler
+    if getattr(original, "_reap_patched", False):
+        return
+
+    def _make_sampler(args, dataset):
+        if not ds_utils._is_dist_and_same_ds(dataset):
+            return original(args, dataset)
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        sampler = RankShareSampler(
+            dataset,
+            args.num_calibration_samples,
+            args.shuffle_calibration_samples,
+            args.batch_size,
+            rank,
+            world,
+        )
+        logger.info(
+            f"REAP: the same dataset on all {world} ranks: rank {rank} calibrates on "
+            f"{len(sampler)} of the {sampler.num_selected} samples a single process "
+            f"would use ({'shuffled' if sampler.shuffle else 'longest first'})"
+        )
+        return sampler
+
+    _make_sampler._reap_patched = True
+    ds_utils._make_sampler = _make_sampler
+
+
+# -- padding: the sequential pipeline's batches ------------------------------------------
+
+_BATCH_LISTENERS: list = []
+
+
+def add_calibration_batch_listener(listener) -> None:
+    """Call ``listener(batches: list[dict])`` whenever the sequential pipeline caches
+    the calibration batches (in the order ``state.current_batch_idx`` indexes)."""
+    if listener not in _BATCH_LISTENERS:
+        _BATCH_LISTENERS.append(listener)
+
+
+def remove_calibration_batch_listener(listener) -> None:
+    if listener in _BATCH_LISTENERS:
+        _BATCH_LISTENERS.remove(listener)
+
+
+class _RecordingLoader:
+    """Iterates a DataLoader and keeps each batch's ``input_ids`` / ``attention_mask``."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.batches: list[dict] = []
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            if isinstance(batch, Mapping):  # dict, or transformers' BatchEncoding
+                self.batches.append(
+                    {k: batch.get(k) for k in ("input_ids", "attention_mask")}
+                )
+            else:
+                self.batches.append({})
+            yield batch
+
+
+def _patch_calibration_cache() -> None:
+    """Why: llm-compressor 0.14.0.1's sequential pipeline never calls the model: it
+    runs decoder-layer subgraphs on batches it caches with
+    ``IntermediatesCache.from_dataloader``, and the 2-D attention mask reaches only the
+    first subgraph (later ones get the 4-D causal mask, whose form depends on the
+    attention implementation). Modifiers get ``state.current_batch_idx`` but not the
+    batch (only AWQ's ``loss_mask`` is exposed, via ``use_loss_mask``), so without
+    help an observer cannot tell padded positions from tokens. We hand the cached
+    batches' ``input_ids`` / ``attention_mask`` to registered listeners; nothing
+    else changes.
+    """
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    original = IntermediatesCache.from_dataloader.__func__
+    if getattr(original, "_reap_patched", False):
+        return
+
+    def from_dataloader(cls, dataloader, *args, **kwargs):
+        if not _BATCH_LISTENERS:
+            return original(cls, dataloader, *args, **kwargs)
+        recording = _RecordingLoader(dataloader)
+        cache = original(cls, recording, *args, **kwargs)
+        for listener in list(_BATCH_LISTENERS):
+            listener(recording.batches)
+        return cache
+
+    from_dataloader._reap_patched = True
+    IntermediatesCache.from_dataloader = classmethod(from_dataloader)
+
+
+# -- the sequential pipeline's attention mask --------------------------------------------
+
+
+def rebuild_traced_config(config_class: str, attn_implementation: str | None, **kwargs):
+    """Rebuild a config inside a traced subgraph, keeping its attention implementation."""
+    import importlib
+
+    module, _, name = config_class.rpartition(".")
+    config = getattr(importlib.import_module(module), name)(**kwargs)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    return config
+
+
+def _patch_traced_config_attention() -> None:
+    """Why: llm-compressor 0.14.0.1's ``SequentialTracer.create_arg``
+    (``pipelines/sequential/helpers.py``) bakes a model config into the traced
+    subgraph as ``ConfigClass(**config.to_dict())``. With transformers 5.17,
+    ``to_dict()`` leaves out the private ``_attn_implementation``, so the rebuilt
+    config has ``None`` there, and ``create_causal_mask`` (``masking_utils.py``,
+    ``_preprocess_mask_arguments``: an implementation not in the mask registry needs
+    "no mask") returns ``None``. Every decoder layer of a transformers-native model
+    (Qwen3-MoE, DeepSeek-V3, OLMoE, Mixtral, GLM4-MoE, GPT-OSS) then runs eager
+    attention with **no mask at all** in the sequential pipeline: tokens attend to
+    later tokens, and real tokens attend to padding, so calibration statistics come
+    from a different (non-causal) model than the one deployed. Rebuild the config
+    with the traced model's ``_attn_implementation`` (eager, forced by
+    ``calibration_forward_context`` while tracing), so the mask is created as in the
+    model's own forward.
+    """
+    from transformers.configuration_utils import PretrainedConfig
+
+    from llmcompressor.pipelines.sequential.helpers import SequentialTracer
+
+    original = SequentialTracer.create_arg
+    if getattr(original, "_reap_patched", False):
+        return
+
+    def create_arg(self, a):
+        if isinstance(a, PretrainedConfig):
+            cls = type(a)
+            kwargs = {k: self.create_arg(v) for k, v in a.to_dict().items()}
+            return self.create_node(
+                "call_function",
+                rebuild_traced_config,
+                (f"{cls.__module__}.{cls.__qualname__}", getattr(a, "_attn_implementation", None)),
+                kwargs,
+            )
+        return original(self, a)
+
+    create_arg._reap_patched = True
+    SequentialTracer.create_arg = create_arg
+
+
 def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
     _patch_resave_config()
     _patch_gpt_oss_repack()
+    _patch_rank_partition()
+    _patch_calibration_cache()
+    _patch_traced_config_attention()
     _drop_broken_lazy_aliases()
     try:
         register_kimi_auto_classes()

@@ -213,7 +213,7 @@ class REAPPruningModifier(Modifier):
         elif self.saliency in BASELINE_METHODS:
             self._cut_from_weights(state.model)
         else:
-            self._observer = SaliencyObserver(arch, self.register_hook)
+            self._observer = SaliencyObserver(arch, self.register_hook, model=state.model)
         return True
 
     def _make_output_dirs(self) -> None:
@@ -234,11 +234,15 @@ class REAPPruningModifier(Modifier):
 
     def on_calibration_end(self, state: State, event: Event, **kwargs) -> None:
         self.remove_hooks()
+        if self._observer is not None:
+            self._observer.detach()
         if self._plan is None and self._observer is not None:
             self._decide_and_prune(state.model)
 
     def on_finalize(self, state: State, **kwargs) -> bool:
         self.remove_hooks()
+        if self._observer is not None:
+            self._observer.detach()
         if self._plan is None:
             self._decide_and_prune(state.model)
         self._choose_save_path(state.model)
@@ -253,6 +257,8 @@ class REAPPruningModifier(Modifier):
 
     def _decide_and_prune(self, model: torch.nn.Module) -> None:
         self._observer.reset_pending()
+        # what each rank observed, recorded so that drops or double counts show
+        per_rank = distributed.gather_counts(self._observer.local_counts(), self._cpu_group)
         # data parallel: every rank holds the global sums before any decision
         distributed.reduce_accumulators(self._observer.accumulators, self._cpu_group)
         scores = self._observer.to_scores(
@@ -264,6 +270,10 @@ class REAPPruningModifier(Modifier):
                 "calibration": {
                     "source": self.calibration_source,
                     "world_size": distributed.world_size(),
+                    "samples": sum(r["samples"] for r in per_rank),
+                    "tokens": sum(r["tokens"] for r in per_rank),
+                    "padding_skipped": sum(r["padding"] for r in per_rank),
+                    "ranks": per_rank,
                     "moe_calibrate_all_experts": self._calibrate_all,
                 },
                 "versions": tool_versions(),

@@ -22,12 +22,19 @@ def norms64(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class LayerAccumulator:
-    """float64 running sums for one layer; slot ``E`` absorbs padding ids (>= E)."""
+    """float64 running sums for one layer; slot ``E`` absorbs out-of-range ids (>= E).
+
+    ``tokens`` counts the positions that entered the sums, ``positions`` every
+    position the layer routed (``positions - tokens`` were padding), ``samples`` the
+    sequences.
+    """
 
     num_experts: int
     device: torch.device | None = None
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     tokens: int = 0
+    positions: int = 0
+    samples: int = 0
 
     def _ensure(self, device: torch.device) -> None:
         if not self.stats:
@@ -38,9 +45,23 @@ class LayerAccumulator:
             }
 
     @torch.no_grad()
-    def add(self, ids: torch.Tensor, weights: torch.Tensor, norms: torch.Tensor) -> None:
-        """Accumulate one batch: ``ids``, ``weights``, ``norms`` are ``[N, k]``."""
+    def add(
+        self,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        norms: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        samples: int = 0,
+    ) -> None:
+        """Accumulate one batch: ``ids``, ``weights``, ``norms`` are ``[N, k]``;
+        rows where the bool ``[N]`` ``valid`` is false (padding) are left out."""
         self._ensure(norms.device)
+        self.positions += ids.shape[0]
+        self.samples += samples
+        if valid is not None:
+            ids = ids[valid.to(ids.device)]
+            weights = weights[valid.to(weights.device)]
+            norms = norms[valid.to(norms.device)]
         flat = ids.reshape(-1).to(device=self.device, dtype=torch.long)
         flat = flat.clamp(max=self.num_experts)  # out-of-range ids -> padding slot
         g = weights.reshape(-1).to(device=self.device, dtype=torch.float64)

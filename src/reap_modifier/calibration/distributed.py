@@ -21,6 +21,7 @@ from .accumulator import LayerAccumulator
 
 __all__ = [
     "broadcast_kept",
+    "gather_counts",
     "is_distributed",
     "is_source_process",
     "make_cpu_group",
@@ -58,9 +59,20 @@ def reduce_accumulators(accumulators: dict[str, LayerAccumulator], group) -> Non
             dist.all_reduce(cpu, op=op, group=group)
             acc.stats[stat] = cpu
         acc.device = torch.device("cpu")
-        tokens = torch.tensor([acc.tokens], dtype=torch.int64)
-        dist.all_reduce(tokens, op=dist.ReduceOp.SUM, group=group)
-        acc.tokens = int(tokens.item())
+        counts = torch.tensor([acc.tokens, acc.positions, acc.samples], dtype=torch.int64)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+        acc.tokens, acc.positions, acc.samples = (int(c) for c in counts.tolist())
+
+
+def gather_counts(local: dict[str, int], group) -> list[dict[str, int]]:
+    """Every rank's ``local`` counts (same keys on every rank), in rank order."""
+    keys = sorted(local)
+    if not is_distributed():
+        return [{"rank": 0, **local}]
+    mine = torch.tensor([int(local[k]) for k in keys], dtype=torch.int64)
+    table = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(table, mine, group=group)
+    return [{"rank": r, **dict(zip(keys, t.tolist()))} for r, t in enumerate(table)]
 
 
 def broadcast_kept(kept: dict[str, list[int]] | None, layer_names: list[str], keep: int, group) -> dict[str, list[int]]:

@@ -22,18 +22,34 @@ How the per-slot output norms are obtained, without computing any expert twice:
   every expert all tokens, and the routed slots are gathered.
 
 Both paths give identical statistics with ``moe_calibrate_all_experts`` on or off.
+
+Padding never counts: positions whose attention mask is 0 enter no statistic and no
+token count. A forward pre-hook on every MoE block looks up the current batch's
+``[B, T]`` mask (rows ``b*T + t`` of the flattened tokens the block routes) from:
+
+- the model's own call (a forward pre-hook on the top module: the basic pipeline,
+  or any ``model(input_ids, attention_mask=...)``), or
+- the sequential pipeline's batch cache (llm-compressor calls decoder-layer subgraphs
+  and never the model; ``compat`` hands us each cached batch) indexed by
+  ``state.current_batch_idx``, the index llm-compressor sets before every
+  calibration forward (as it does for AWQ's loss masks).
+
+Without an attention mask every position counts.
 """
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 from typing import Any, Callable
 
 import torch
 
+from .. import compat
 from ..models import MoEArchitecture, MoELayer
 from ..scores import ExpertScores
 from .accumulator import LayerAccumulator, norms64
+from .tokens import BatchTokens, batch_tokens
 
 __all__ = ["SaliencyObserver"]
 
@@ -41,12 +57,13 @@ __all__ = ["SaliencyObserver"]
 class _KimiBatch:
     """Per-forward scratch state of one Kimi block."""
 
-    __slots__ = ("ids", "weights", "calibrate_all", "rows")
+    __slots__ = ("ids", "weights", "calibrate_all", "rows", "tokens")
 
-    def __init__(self, ids, weights, calibrate_all):
+    def __init__(self, ids, weights, calibrate_all, tokens):
         self.ids = ids
         self.weights = weights
         self.calibrate_all = calibrate_all
+        self.tokens = tokens
         # routed: expert outputs in dispatch order (one norm kernel per layer);
         # calibrate-all: per-expert norms over all tokens (outputs would be E x N x D)
         self.rows: list[torch.Tensor] = []
@@ -58,24 +75,114 @@ class SaliencyObserver:
     :param arch: the located MoE architecture
     :param register_hook: ``HooksMixin.register_hook`` of the owning modifier (so the
         pipeline's ``disable_hooks`` applies); signature ``(module, fn, hook_type, **kw)``
+    :param model: the top module; its calls carry the attention mask that tells
+        padding apart (without it, only the sequential pipeline's batches do)
     """
 
-    def __init__(self, arch: MoEArchitecture, register_hook: Callable[..., Any]):
+    def __init__(
+        self,
+        arch: MoEArchitecture,
+        register_hook: Callable[..., Any],
+        model: torch.nn.Module | None = None,
+    ):
         self.arch = arch
         self._register = register_hook
+        self._model = model
         self.accumulators = {
             layer.name: LayerAccumulator(arch.num_experts) for layer in arch.layers
         }
         self._pending: dict[str, Any] = {}
+        # padding: the current model call's tokens, or the pipeline's cached batches
+        self._call_tokens: BatchTokens | None = None
+        self._cached_batches: list[BatchTokens | None] = []
+        self._block_tokens: dict[str, tuple[BatchTokens | None, torch.Tensor | None]] = {}
 
     # -- registration -------------------------------------------------------------
 
     def attach(self) -> None:
+        self._cached_batches = []
+        compat.add_calibration_batch_listener(self._on_cached_batches)
+        if self._model is not None:
+            self._attach_model(self._model)
         for layer in self.arch.layers:
+            self._register(layer.block, partial(self._block_pre, layer.name), "forward_pre",
+                           with_kwargs=True)
             if layer.kind == "experts_call":
                 self._attach_experts_call(layer)
             else:
                 self._attach_kimi(layer)
+
+    def detach(self) -> None:
+        """Stop listening to the pipeline (hooks are removed by their owner)."""
+        compat.remove_calibration_batch_listener(self._on_cached_batches)
+        self._cached_batches = []
+        self._call_tokens = None
+
+    def _attach_model(self, model: torch.nn.Module) -> None:
+        try:
+            signature = inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            signature = None
+
+        def pre(module, args, kwargs):
+            bound = dict(kwargs)
+            if args and signature is not None:
+                try:
+                    bound = dict(signature.bind_partial(*args, **kwargs).arguments)
+                except TypeError:
+                    pass
+            self._call_tokens = batch_tokens(bound.get("input_ids"), bound.get("attention_mask"))
+
+        def post(module, args, output):
+            self._call_tokens = None
+
+        self._register(model, pre, "forward_pre", with_kwargs=True)
+        self._register(model, post, "forward")
+
+    # -- padding ------------------------------------------------------------------------
+
+    def _on_cached_batches(self, batches: list[dict]) -> None:
+        self._cached_batches = [
+            batch_tokens(b.get("input_ids"), b.get("attention_mask")) for b in batches
+        ]
+
+    def _current_tokens(self) -> BatchTokens | None:
+        if self._call_tokens is not None:
+            return self._call_tokens
+        if not self._cached_batches:
+            return None
+        from llmcompressor.core import active_session
+
+        index = active_session().state.current_batch_idx
+        if not 0 <= index < len(self._cached_batches):
+            raise RuntimeError(
+                f"REAP observer: calibration batch index {index} is outside the "
+                f"{len(self._cached_batches)} cached batches; cannot tell padding apart"
+            )
+        return self._cached_batches[index]
+
+    def _block_pre(self, name: str, module, args: tuple, kwargs: dict):
+        hidden = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values()), None))
+        lead = tuple(hidden.shape[:-1]) if isinstance(hidden, torch.Tensor) else ()
+        tokens = self._current_tokens()
+        valid = None
+        if tokens is not None:
+            routed = int(torch.Size(lead).numel()) if lead else tokens.positions
+            if tokens.valid is not None:
+                if tokens.valid.numel() != routed:
+                    raise RuntimeError(
+                        f"REAP observer: {name} routes {routed} positions but the batch's "
+                        f"attention mask covers {tokens.valid.numel()}; cannot tell which "
+                        "are padding (pass unpadded batches, e.g. batch_size=1)"
+                    )
+                valid = tokens.valid
+        elif len(lead) == 2:
+            tokens = BatchTokens(lead[0], lead[0] * lead[1])
+        self._block_tokens[name] = (tokens, valid)
+
+    def _take_tokens(self, name: str) -> tuple[torch.Tensor | None, int]:
+        tokens, valid = self._block_tokens.pop(name, (None, None))
+        return valid, tokens.samples if tokens is not None else 0
 
     def _attach_experts_call(self, layer: MoELayer) -> None:
         experts = layer.experts
@@ -115,7 +222,8 @@ class SaliencyObserver:
         ids, weights, dtype = self._pending.pop(name)
         n, k = ids.shape
         out = output.view(n, k, -1)
-        self.accumulators[name].add(ids, weights, norms64(out))
+        valid, samples = self._take_tokens(name)
+        self.accumulators[name].add(ids, weights, norms64(out), valid, samples)
         combined = (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
         return combined.to(dtype)
 
@@ -125,7 +233,9 @@ class SaliencyObserver:
         from llmcompressor.modeling.moe.context import get_calibrate_all_experts_flag
 
         ids, weights = output[0], output[1]
-        self._pending[name] = _KimiBatch(ids, weights, get_calibrate_all_experts_flag())
+        self._pending[name] = _KimiBatch(
+            ids, weights, get_calibrate_all_experts_flag(), self._take_tokens(name)
+        )
 
     def _kimi_expert(self, name: str, module, args: tuple, output: torch.Tensor):
         batch = self._pending.get(name)
@@ -159,12 +269,24 @@ class SaliencyObserver:
             norms = torch.empty_like(flat)
             norms[order.to(flat.device)] = flat
             norms = norms.view(n, k)
-        self.accumulators[name].add(ids, batch.weights, norms)
+        valid, samples = batch.tokens
+        self.accumulators[name].add(ids, batch.weights, norms, valid, samples)
 
     # -- results ----------------------------------------------------------------------------
 
     def reset_pending(self) -> None:
         self._pending.clear()
+        self._block_tokens.clear()
+
+    def local_counts(self) -> dict[str, int]:
+        """This process's samples, tokens and padding positions (every layer sees
+        every batch; the largest count over layers)."""
+        accs = list(self.accumulators.values())
+        samples = max((a.samples for a in accs), default=0)
+        tokens = max((a.tokens for a in accs), default=0)
+        positions = max((a.positions for a in accs), default=0)
+        return {"samples": samples, "tokens": tokens, "padding": positions - tokens}
+
 
     def to_scores(self, source: str = "default", metadata: dict | None = None) -> ExpertScores:
         """Export the accumulated sums (CPU float64) as an :class:`ExpertScores`."""
