@@ -1,8 +1,14 @@
 """Worker for tests/test_distributed.py: REAP through oneshot, under torchrun or alone.
 
-Usage: python dist_worker.py FAMILY OUT_DIR SPLIT   (SPLIT: all | even | uneven)
-Under ``torchrun --nproc-per-node 2`` each rank calibrates on its shard of the same
-samples; alone it calibrates on all of them.
+Usage: python dist_worker.py OUT_DIR [CASE ...]   (default: every case in ``CASES``)
+
+Under ``torchrun --nproc-per-node 2`` every case runs data-parallel, the way a user
+runs it: either every rank passes the *same* dataset (llm-compressor partitions it)
+or each rank passes its own shard. Alone, each case runs the single-process
+reference over the same samples: the same dataset and arguments, or the union of
+the shards. Models are float64 with ``batch_invariant_numerics`` so that batches of
+different composition (padding, other ranks) agree to ~1e-16; each case writes
+``OUT_DIR/CASE/scores.safetensors`` (rank 0) and ``OUT_DIR/CASE/rank{r}.json``.
 """
 
 from __future__ import annotations
@@ -16,29 +22,72 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import calibration_samples, make_dataset, make_tokenizer  # noqa: E402
-from tiny_models import build_tiny, reload_class  # noqa: E402
+from conftest import make_dataset, make_tokenizer  # noqa: E402
+from tiny_models import batch_invariant_numerics, build_tiny, reload_class  # noqa: E402
 
 from reap_modifier import REAPPruningModifier  # noqa: E402
 
 torch.set_num_threads(1)
 
+#: lengths of the varied-length samples (7 samples: 4 + 3 over two ranks)
+VARIED = (12, 7, 9, 3, 12, 5, 10)
 
-def shard(samples, split: str, rank: int, world: int):
-    """This rank's samples; with world == 1, the union of all shards."""
-    if split == "even":
-        return samples[rank::world]
-    # uneven: rank 0 takes 5 samples, rank 1 a single 4-token one
-    shards = [samples[:5], [samples[5][:4]]]
-    return shards[0] + shards[1] if world == 1 else shards[rank]
+#: case -> family, data ("same": the same dataset on every rank; "shards": one per
+#: rank, as ``shards`` sample counts), sample lengths, shuffle, batch size,
+#: num_calibration_samples (None: all), and whether batches are padded
+CASES: dict[str, dict] = {
+    # the reported setup: 16 experts, top-4, 12 samples x 32 tokens, keep 8, no shuffle
+    "qwen_same": dict(family="qwen3_moe", data="same", lengths=(32,) * 12, shuffle=False),
+    "qwen_same_shuffle": dict(family="qwen3_moe", data="same", lengths=(32,) * 12, shuffle=True),
+    # fewer samples requested than the dataset holds: the single process's choice
+    "qwen_same_subset": dict(family="qwen3_moe", data="same", lengths=VARIED, num_samples=5),
+    "qwen_same_subset_shuffle": dict(family="qwen3_moe", data="same", lengths=VARIED,
+                                     num_samples=5, shuffle=True),
+    "qwen_same_varied": dict(family="qwen3_moe", data="same", lengths=VARIED),
+    "qwen_same_pad4": dict(family="qwen3_moe", data="same", lengths=VARIED, batch_size=4),
+    "qwen_shards_pad4": dict(family="qwen3_moe", data="shards", shards=(5, 2), lengths=VARIED,
+                             batch_size=4),
+    "kimi_same": dict(family="kimi_k3", data="same", lengths=(16,) * 6),
+    "kimi_same_varied": dict(family="kimi_k3", data="same", lengths=VARIED),
+    "kimi_same_pad4_shuffle": dict(family="kimi_k3", data="same", lengths=VARIED, batch_size=4,
+                                   shuffle=True),
+    "kimi_shards": dict(family="kimi_k3", data="shards", shards=(3, 3), lengths=(12,) * 6),
+    # a rank with a single 4-token sample: some experts get nothing locally
+    "kimi_shards_uneven": dict(family="kimi_k3", data="shards", shards=(5, 1),
+                               lengths=(12,) * 5 + (4,), shuffle=True),
+}
+
+#: padded case -> the case over the same samples at batch size 1 (no padding)
+UNPADDED_TWIN = {
+    "qwen_same_pad4": "qwen_same_varied",
+    "qwen_shards_pad4": "qwen_same_varied",
+    "kimi_same_pad4_shuffle": "kimi_same_varied",
+}
+
+FAMILY_OVERRIDES = {"qwen3_moe": dict(num_experts=16, num_experts_per_tok=4)}
+SHUFFLE_SEED = 1234
 
 
-def record_local_zero_counts(result: dict) -> None:
+def case_samples(case: dict, vocab: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randint(3, vocab, (n,), generator=gen) for n in case["lengths"]]
+
+
+def rank_dataset(case: dict, samples: list[torch.Tensor], rank: int, world: int):
+    """This rank's samples (the union when ``world == 1``)."""
+    if case["data"] == "same" or world == 1:
+        return samples
+    bounds = [0]
+    for n in case["shards"]:
+        bounds.append(bounds[-1] + n)
+    return samples[bounds[rank] : bounds[rank + 1]]
+
+
+def spy_local_counts(result: dict) -> None:
     """Count experts this rank never routed to, just before the all-reduce."""
     from reap_modifier import modifier
-    from reap_modifier.calibration import distributed
 
-    original = distributed.reduce_accumulators
+    original = modifier.distributed.reduce_accumulators
 
     def spy(accumulators, group):
         result["local_never_routed"] = sum(
@@ -49,45 +98,63 @@ def record_local_zero_counts(result: dict) -> None:
     modifier.distributed.reduce_accumulators = spy
 
 
-def main() -> None:
-    family, out, split = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        rank, world = 0, 1
+def run_case(name: str, out: Path, rank: int, world: int) -> None:
+    from llmcompressor import oneshot
+
+    case = CASES[name]
+    family = case["family"]
     out.mkdir(parents=True, exist_ok=True)
-    model, info = build_tiny(family, seed=31)
+    model, info = build_tiny(family, seed=31, dtype=torch.float64,
+                             **FAMILY_OVERRIDES.get(family, {}))
     if rank == 0:  # transformers saves on the main process only
         model.save_pretrained(out / "src")
     if dist.is_initialized():
         dist.barrier()
-    model = reload_class(family).from_pretrained(out / "src").eval()
-    samples = calibration_samples(info.vocab_size, n=6, seq=12, seed=4)
-    mine = shard(samples, split, rank, world)
+    model = reload_class(family).from_pretrained(out / "src", dtype=torch.float64).eval()
+    samples = case_samples(case, info.vocab_size)
+    mine = rank_dataset(case, samples, rank, world)
+    batch_size = case.get("batch_size", 1)
     modifier = REAPPruningModifier(
-        sparsity=0.5,
+        num_experts_to_keep=info.num_experts // 2,
         scores_path=str(out / "scores.safetensors"),
         manifest_path=str(out / "manifest.json"),
     )
-    from llmcompressor import oneshot
-
     local: dict = {}
-    record_local_zero_counts(local)
+    spy_local_counts(local)
+    torch.manual_seed(SHUFFLE_SEED)  # the shuffled draw: the same on rank 0 and alone
     oneshot(
-        model=model, recipe=[modifier], processor=make_tokenizer(info.vocab_size),
-        dataset=make_dataset(mine), num_calibration_samples=len(mine),
+        model=model,
+        recipe=[modifier],
+        processor=make_tokenizer(info.vocab_size),
+        dataset=make_dataset(mine),
+        num_calibration_samples=case.get("num_samples") or len(mine),
+        shuffle_calibration_samples=case.get("shuffle", False),
+        batch_size=batch_size,
+        data_collator="padding" if batch_size > 1 else "truncation",
     )
     arch = modifier.architecture
     result = {
         "kept": modifier.plan.kept,
-        "router_rows": {l.name: l.router.weight.shape[0] for l in arch.layers},
-        "local_tokens": sum(len(s) for s in mine),
+        "router_rows": {layer.name: layer.router.weight.shape[0] for layer in arch.layers},
         **local,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():
         dist.barrier()
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    names = sys.argv[2:] or list(CASES)
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = 0, 1
+    with batch_invariant_numerics():
+        for name in names:
+            run_case(name, out / name, rank, world)
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -134,3 +134,35 @@ def test_cli_errors(files):
     assert not (d / "m.scores").exists()
     res = _run("compare", files["A"], other, "--keep", 4, "-o", d / "c", ok=False)
     assert res.exit_code == 2 and "different expert counts (8 != 16)" in res.output
+
+
+def test_show_prints_what_each_rank_observed(files):
+    """World size and each rank's samples / tokens / padding, per run; a merge keeps
+    every run's record."""
+    d = files["dir"]
+    a = ExpertScores.load(files["A"])
+    a.metadata["calibration"] = {
+        "source": "en", "world_size": 2, "samples": 7, "tokens": 200, "padding_skipped": 26,
+        "ranks": [{"rank": 0, "samples": 4, "tokens": 131, "padding": 15},
+                  {"rank": 1, "samples": 3, "tokens": 69, "padding": 11}],
+    }
+    a.save(d / "ranked.scores")
+    zh = ExpertScores.load(files["zh"])
+    zh.metadata["calibration"] = {
+        "source": "zh", "world_size": 1, "samples": 5, "tokens": 150, "padding_skipped": 0,
+        "ranks": [{"rank": 0, "samples": 5, "tokens": 150, "padding": 0}],
+    }
+    zh.save(d / "single.scores")
+    shown = _run("scores", "show", d / "ranked.scores").output
+    rows = [line.replace("│", " ").split() for line in shown.splitlines() if "│" in line]
+    assert ["1", "en", "2", "0", "4", "131", "15"] in rows
+    assert ["1", "en", "2", "1", "3", "69", "11"] in rows
+    assert ["1", "en", "2", "all", "7", "200", "26"] in rows
+
+    _run("scores", "merge", d / "ranked.scores", d / "single.scores", "-o", d / "m.scores")
+    merged = ExpertScores.load(d / "m.scores")
+    assert [r["source"] for r in merged.calibration_runs()] == ["en", "zh"]
+    rows = [line.replace("│", " ").split() for line in
+            _run("scores", "show", d / "m.scores").output.splitlines() if "│" in line]
+    assert ["1", "en", "2", "all", "7", "200", "26"] in rows
+    assert ["2", "zh", "1", "0", "5", "150", "0"] in rows

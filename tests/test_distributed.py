@@ -1,4 +1,11 @@
-"""Data-parallel REAP under torchrun (gloo, CPU): identical scores and decisions."""
+"""Data-parallel REAP under torchrun (2 ranks, gloo, CPU): the same scores and kept ids
+as one process over the same samples, for every way a user hands data to the ranks.
+
+Both launches run every case of ``dist_worker.CASES`` (one process start each):
+the same dataset on every rank (llm-compressor partitions it), explicit shards, shuffle
+on and off, fewer samples requested than the dataset holds, batch size 1 and 4 with
+padding, uneven sample counts, Kimi K3 and Qwen3-MoE.
+"""
 
 from __future__ import annotations
 
@@ -10,52 +17,97 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_worker import CASES, UNPADDED_TWIN
 
 from reap_modifier.scores import ExpertScores
 
 WORKER = Path(__file__).parent / "dist_worker.py"
 
 
-def _run(args, cwd, torchrun: bool):
+def _run(out: Path, torchrun: bool) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(29500 + os.getpid() % 1000), str(WORKER), *args]
+               "--master-port", str(29500 + os.getpid() % 1000), str(WORKER), str(out)]
     else:
-        cmd = [sys.executable, str(WORKER), *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        cmd = [sys.executable, str(WORKER), str(out)]
+    proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    _run(root / "multi", torchrun=True)
+    _run(root / "single", torchrun=False)
+    return root
 
 
 def _assert_scores_match(a: ExpertScores, b: ExpertScores):
     assert a.layer_names == b.layer_names
     assert a.metadata["tokens"] == b.metadata["tokens"]
     for layer in a.layers:
+        assert set(a.layers[layer]) == set(b.layers[layer])
         for stat, ta in a.layers[layer].items():
-            torch.testing.assert_close(ta, b.layers[layer][stat], rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(ta, b.layers[layer][stat], rtol=1e-9, atol=1e-12,
+                                       msg=lambda m, s=stat, l=layer: f"{l}::{s}: {m}")
 
 
-@pytest.mark.parametrize("family, split", [("kimi_k3", "even"), ("qwen3_moe", "even"), ("kimi_k3", "uneven")])
-def test_two_ranks_match_single_process(tmp_path, family, split):
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    _run([family, str(multi), split], tmp_path, torchrun=True)
-    # the single-process reference calibrates on exactly the union of the shards
-    _run([family, str(single), split], tmp_path, torchrun=False)
-    s_scores = ExpertScores.load(single / "scores.safetensors")
-    m_scores = ExpertScores.load(multi / "scores.safetensors")
-    _assert_scores_match(m_scores, s_scores)
-    ranks = [json.loads((multi / f"rank{r}.json").read_text()) for r in (0, 1)]
-    reference = json.loads((single / "rank0.json").read_text())
-    assert ranks[0]["kept"] == ranks[1]["kept"] == reference["kept"]
+def _load(root: Path, mode: str, case: str):
+    scores = ExpertScores.load(root / mode / case / "scores.safetensors")
+    ranks = [json.loads(p.read_text()) for p in sorted((root / mode / case).glob("rank*.json"))]
+    return scores, ranks
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_match_single_process(runs, case):
+    spec = CASES[case]
+    single, (reference,) = _load(runs, "single", case)
+    multi, ranks = _load(runs, "multi", case)
+    _assert_scores_match(multi, single)
+    assert len(ranks) == 2 and ranks[0]["kept"] == ranks[1]["kept"] == reference["kept"]
     # in-memory surgery happened on every rank
-    assert all(set(r["router_rows"].values()) == {s_scores.num_experts // 2} for r in ranks)
+    keep = single.num_experts // 2
+    assert all(set(r["router_rows"].values()) == {keep} for r in ranks)
     # only rank 0 wrote files; the manifest agrees with the plan
-    manifest = json.loads((multi / "manifest.json").read_text())
+    manifest = json.loads((runs / "multi" / case / "manifest.json").read_text())
     assert {k: v["kept_original_ids"] for k, v in manifest["layers"].items()} == reference["kept"]
-    if split == "uneven":
-        assert (ranks[0]["local_tokens"], ranks[1]["local_tokens"]) == (60, 4)
-        # rank 1 routed 4 tokens x top-4 into 16 experts: some got nothing locally
+
+    # what each rank observed is recorded, and adds up to the single process's run
+    run = multi.metadata["calibration"]
+    one = single.metadata["calibration"]
+    assert run["world_size"] == 2 and one["world_size"] == 1
+    per_rank = run["ranks"]
+    assert [r["rank"] for r in per_rank] == [0, 1]
+    selected = spec.get("num_samples") or len(spec["lengths"])
+    if spec["data"] == "same":  # each rank takes every other sample of the selection
+        assert [r["samples"] for r in per_rank] == [(selected + 1) // 2, selected // 2]
+    else:
+        assert [r["samples"] for r in per_rank] == list(spec["shards"])
+    assert sum(r["samples"] for r in per_rank) == run["samples"] == one["samples"] == selected
+    tokens = sum(r["tokens"] for r in per_rank)
+    assert tokens == run["tokens"] == one["tokens"] == multi.total_tokens()
+    if spec.get("num_samples") is None:  # every token of the dataset, once
+        assert tokens == sum(spec["lengths"])
+    padded = spec.get("batch_size", 1) > 1 and len(set(spec["lengths"])) > 1
+    assert (run["padding_skipped"] > 0) == padded
+    assert run["padding_skipped"] == sum(r["padding"] for r in per_rank)
+    if case == "kimi_shards_uneven":
+        # rank 1 routed 4 tokens into 16 experts: some got nothing locally
         assert ranks[1]["local_never_routed"] > 0
+
+
+@pytest.mark.parametrize("case", list(UNPADDED_TWIN))
+def test_padded_batches_match_unpadded(runs, case):
+    """Batches of 4 padded to their longest sample give the scores of the same
+    samples unpadded at batch size 1: in one process and on two ranks."""
+    plain, _ = _load(runs, "single", UNPADDED_TWIN[case])
+    assert plain.metadata["calibration"]["padding_skipped"] == 0
+    for mode in ("single", "multi"):
+        padded, _ = _load(runs, mode, case)
+        assert padded.metadata["calibration"]["padding_skipped"] > 0
+        _assert_scores_match(padded, plain)
 
 
 def test_separate_runs_merge_to_the_union(tmp_path):

@@ -27,6 +27,38 @@ def _fmt_int(x: float) -> str:
     return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
 
 
+def _print_calibration_runs(s: ExpertScores) -> None:
+    """What each calibration run, and each rank of it, observed."""
+    runs = s.calibration_runs()
+    if not runs:
+        return
+    table = Table(
+        title="calibration: what each run and rank observed",
+        caption="padding: positions with attention mask 0, left out of every statistic",
+    )
+    for col, justify in (("run", "right"), ("source", "left"), ("world size", "right"),
+                         ("rank", "right"), ("samples", "right"), ("tokens", "right"),
+                         ("padding", "right")):
+        table.add_column(col, justify=justify)
+
+    def num(value) -> str:
+        return "-" if value is None else f"{int(value):,}"
+
+    for i, run in enumerate(runs, start=1):
+        source = escape(str(run.get("source", "-")))
+        world = num(run.get("world_size"))
+        ranks = run.get("ranks") or []
+        for r in ranks:
+            table.add_row(str(i), source, world, str(r.get("rank")), num(r.get("samples")),
+                          num(r.get("tokens")), num(r.get("padding")))
+        if len(ranks) != 1:  # the run's total (the only row when ranks were not recorded)
+            table.add_row(str(i), source, world, "all", num(run.get("samples")),
+                          num(run.get("tokens")), num(run.get("padding_skipped")))
+        if i < len(runs):
+            table.add_section()
+    console.print(table)
+
+
 # -- reap scores ... ----------------------------------------------------------------
 
 scores_app = typer.Typer(
@@ -90,7 +122,7 @@ def show_cmd(
             meta.add_row(escape(f"tokens[{src}]"), f"{n:,}")
         meta.add_row("total tokens", f"{s.total_tokens():,}")
     for key, value in s.metadata.items():
-        if key in ("tokens", "kind", "method") or key in {
+        if key in ("tokens", "kind", "method", "calibration") or key in {
             "model_class", "num_experts", "top_k", "n_group", "topk_group",
             "num_moe_layers", "runs", "seed", "source_checkpoint",
         }:
@@ -98,6 +130,7 @@ def show_cmd(
         text = str(value)
         meta.add_row(escape(key), escape(text if len(text) < 120 else text[:117] + "..."))
     console.print(meta)
+    _print_calibration_runs(s)
 
     if s.kind != "calibration":
         table = Table(title=f"{s.method} saliency per layer")

@@ -208,6 +208,12 @@ class ExpertScores:
         """Calibration tokens per source (``metadata["tokens"]``)."""
         return {str(k): int(v) for k, v in self.metadata.get("tokens", {}).items()}
 
+    def calibration_runs(self) -> list[dict]:
+        """One record per calibration run (a merged file has several): source, world
+        size and, when recorded, ``ranks``: each rank's samples, tokens and padding."""
+        spec = self.metadata.get("calibration")
+        return [dict(s) for s in (spec if isinstance(spec, list) else [spec] if spec else [])]
+
     def routing_rate(self, source: str | None = None) -> dict[str, torch.Tensor]:
         """Per-token routing rate per layer: ``count@source / tokens[source]``.
 
