@@ -1,7 +1,10 @@
 """Workarounds for upstream gaps, all in one place (each says why).
 
 Applied once, idempotently, by :func:`install` (called when the modifier module is
-imported). Nothing here changes behaviour for models this package does not prune.
+imported). Two of them fix llm-compressor for every ``oneshot`` in the process, not only
+REAP's: data-parallel partitioning of a dataset every rank passed, and the sequential
+pipeline's attention mask. The rest change nothing for models this package does not
+prune.
 """
 
 from __future__ import annotations
