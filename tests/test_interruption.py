@@ -163,9 +163,22 @@ def paused(ckpt, tmp_path_factory):
         run.finish()
 
 
+def _exchange_supported(d: Path) -> bool:
+    from reap_modifier.checkpoint.destination import _rename_exchange
+
+    a, b = d / "xa", d / "xb"
+    a.mkdir(), b.mkdir()
+    try:
+        return _rename_exchange(a, b)
+    finally:
+        a.rmdir(), b.rmdir()
+
+
 @pytest.mark.parametrize("name", [n for n in PAUSED if n.startswith("kill-")])
 def test_sigkill_then_rerun(ckpt, paused, name):
     point, previous = PAUSED[name]
+    if point == "swapped" and not _exchange_supported(paused["runs"][name].dst.parent):
+        pytest.skip("this filesystem has no renameat2(RENAME_EXCHANGE): two renames, no 'swapped' point")
     run, before = paused["runs"][name], paused["previous"][name]
     dst = run.dst
     assert run.wait_paused() == point
@@ -251,3 +264,53 @@ def test_two_simultaneous_runs(ckpt, tmp_path):
     _assert_new_output(ckpt, dst)
     assert _work_dirs(dst) == []
     assert snapshot(ckpt["src"]) == ckpt["snap"]
+
+
+def test_without_atomic_exchange_an_orphaned_previous_output_is_put_back(ckpt, tmp_path, monkeypatch):
+    """Where no atomic exchange exists, ``--force`` swaps with two renames; a run killed
+    between them leaves DST absent and the previous output as ``.DST.reap-old-*``: the
+    next run puts it back before writing (and then replaces it, as asked)."""
+    import reap_modifier.checkpoint.destination as destination
+
+    monkeypatch.setattr(destination, "_rename_exchange", lambda a, b: False)
+    dst = tmp_path / "out"
+    before = _previous_output(ckpt, dst)
+    rewrite_checkpoint(ckpt["src"], PruningPlan.load(ckpt["plan"]), dst, force=True, progress=False, hash_cache=False)
+    _assert_new_output(ckpt, dst)  # the two-rename swap works
+    orphan = destination.work_path(dst, "old")
+    os.rename(dst, orphan)  # the state a kill between the two renames leaves
+    claim = destination.DestinationClaim(dst).acquire()
+    try:
+        claim.clean_leftovers()
+    finally:
+        claim.release()
+    assert dst.is_dir() and not orphan.exists()
+    _assert_new_output(ckpt, dst)
+    assert before != snapshot(dst)
+
+
+def test_filesystem_without_locks(ckpt, tmp_path, monkeypatch):
+    """flock unsupported (ENOLCK): the run proceeds with a warning, and leftovers (which
+    may then belong to a live run) are named, not removed."""
+    import errno
+    import fcntl
+
+    from loguru import logger
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    dst = tmp_path / "out"
+    leftover = tmp_path / ".out.reap-tmp-0123abcd"
+    leftover.mkdir()
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="WARNING")
+    try:
+        rewrite_checkpoint(ckpt["src"], PruningPlan.load(ckpt["plan"]), dst, progress=False, hash_cache=False)
+    finally:
+        logger.remove(sink)
+    _assert_new_output(ckpt, dst)
+    assert leftover.is_dir()
+    log = "".join(lines)
+    assert "cannot lock" in log and leftover.name in log and "remove it by hand" in log

@@ -113,6 +113,8 @@ class DestinationClaim:
         self.dst = dst
         self.lock_path = dst.with_name(f".{dst.name}.reap-lock")
         self._fd: int | None = None
+        #: False on a filesystem without locks: leftovers are then only named, not removed
+        self.locked = False
 
     def acquire(self) -> "DestinationClaim":
         import fcntl
@@ -129,7 +131,7 @@ class DestinationClaim:
                 ) from exc
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            except BlockingIOError:
                 try:
                     holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown pid"
                 finally:
@@ -138,6 +140,13 @@ class DestinationClaim:
                     f"another reap prune ({holder}) is writing {self.dst} right now; wait for it "
                     f"to finish or stop it, then rerun (lock: {self.lock_path})"
                 ) from None
+            except OSError as exc:  # a filesystem without locks (ENOLCK, EOPNOTSUPP)
+                logger.warning(
+                    f"REAP: cannot lock {self.lock_path} ({exc.strerror}); nothing stops another "
+                    f"run writing {self.dst} at the same time"
+                )
+                self._fd = fd
+                return self
             try:
                 same = os.stat(self.lock_path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -149,10 +158,16 @@ class DestinationClaim:
             os.ftruncate(fd, 0)
             os.pwrite(fd, (info + "\n").encode(), 0)
             self._fd = fd
+            self.locked = True
             return self
 
     def clean_leftovers(self) -> None:
         """Remove work directories of runs that died (only ever called with the claim held)."""
+        if not self.locked:  # they may belong to a live run
+            for p in _leftovers(self.dst):
+                logger.warning(f"REAP: {p} may be left by an interrupted reap prune into {self.dst}; "
+                               "remove it by hand once no run writes there")
+            return
         for p in _leftovers(self.dst):
             if work_dir_kind(p) == "old" and not (self.dst.exists() or self.dst.is_symlink()):
                 logger.warning(f"REAP: {p} is {self.dst} as it was before an interrupted swap; putting it back")
@@ -164,8 +179,9 @@ class DestinationClaim:
     def release(self) -> None:
         if self._fd is None:
             return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.lock_path)  # while still holding it (see acquire's inode check)
+        if self.locked:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.lock_path)  # while still holding it (see acquire's inode check)
         os.close(self._fd)
         self._fd = None
 
