@@ -53,3 +53,12 @@ def save_and_reload(model, family: str, path: Path):
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def sources(tmp_path_factory):
+    """Tiny source checkpoints shared by the rewriter tests (built once per session;
+    see ``mxfp4_fixtures.build_sources``).  Tests never modify them: copy first."""
+    from mxfp4_fixtures import build_sources
+
+    return build_sources(tmp_path_factory.mktemp("src"))

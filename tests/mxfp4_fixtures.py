@@ -124,6 +124,30 @@ def build_plain_checkpoint(family: str, out: str | os.PathLike, *, seed: int = 0
     return Fixture(family, out, list(info.moe_blocks), info.num_experts, info.top_k, _count_key(family))
 
 
+#: one expert projection of the Kimi source left unquantized (per-expert ``ignore`` name)
+KIMI_IGNORED = "language_model.model.layers.1.block_sparse_moe.experts.5.w2"
+
+
+def build_sources(root: str | os.PathLike) -> dict:
+    """The shared source checkpoints of the rewriter tests (the ``sources`` fixture):
+    multi-shard MXFP4 ``qwen3_moe`` / ``deepseek_v3`` / ``kimi_k3`` and a plain
+    single-file ``gpt_oss``, each with a scores file ``{family}.scores.safetensors``.
+    Returns ``{"root", "fx": family -> Fixture, "hashes": family -> tree sha256}``."""
+    root = Path(root)
+    fx = {
+        "qwen3_moe": build_mxfp4_checkpoint("qwen3_moe", root / "qwen3_moe", max_shard_size="40KB"),
+        "deepseek_v3": build_mxfp4_checkpoint("deepseek_v3", root / "deepseek_v3", max_shard_size="60KB"),
+        "kimi_k3": build_mxfp4_checkpoint(
+            "kimi_k3", root / "kimi_k3", max_shard_size="60KB", ignore_experts=[KIMI_IGNORED]
+        ),
+        "gpt_oss": build_plain_checkpoint("gpt_oss", root / "gpt_oss"),
+    }
+    for name, f in fx.items():
+        write_scores(root / f"{name}.scores.safetensors", f)
+    hashes = {name: tree_sha256(f.path) for name, f in fx.items()}
+    return {"root": root, "fx": fx, "hashes": hashes}
+
+
 # ---------------------------------------------------------------------------
 # synthetic MXFP4-like checkpoints (no model: random bytes with the real naming)
 

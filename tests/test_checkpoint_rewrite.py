@@ -16,13 +16,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from mxfp4_fixtures import (  # noqa: E402
     add_mtp_layer,
-    build_mxfp4_checkpoint,
-    build_plain_checkpoint,
     load_tensors,
     reload_check,
     tensor_sha256,
     tree_sha256,
-    write_scores,
 )
 from typer.testing import CliRunner  # noqa: E402
 
@@ -40,8 +37,6 @@ from reap_modifier.fileio import sha256_file  # noqa: E402
 from reap_modifier.checkpoint.manifest import MANIFEST_NAME  # noqa: E402
 from reap_modifier.checkpoint.upstream import convert  # noqa: E402
 from reap_modifier.scores.plan import PlanError, PruningPlan  # noqa: E402
-
-KIMI_IGNORED = "language_model.model.layers.1.block_sparse_moe.experts.5.w2"
 
 #: CLI cut per family: (args, expected kept count)
 CUTS = {
@@ -62,25 +57,6 @@ def _private_hash_cache(tmp_path, monkeypatch):
 def invoke(*args):
     result = runner.invoke(app, [str(a) for a in args])
     return result
-
-
-@pytest.fixture(scope="session")
-def sources(tmp_path_factory):
-    """Tiny source checkpoints (built once), with scores files and their tree hashes."""
-    root = tmp_path_factory.mktemp("src")
-    fx = {
-        # multi-shard: every MXFP4 fixture is split into several shards
-        "qwen3_moe": build_mxfp4_checkpoint("qwen3_moe", root / "qwen3_moe", max_shard_size="40KB"),
-        "deepseek_v3": build_mxfp4_checkpoint("deepseek_v3", root / "deepseek_v3", max_shard_size="60KB"),
-        "kimi_k3": build_mxfp4_checkpoint(
-            "kimi_k3", root / "kimi_k3", max_shard_size="60KB", ignore_experts=[KIMI_IGNORED]
-        ),
-        "gpt_oss": build_plain_checkpoint("gpt_oss", root / "gpt_oss"),
-    }
-    for name, f in fx.items():
-        write_scores(root / f"{name}.scores.safetensors", f)
-    hashes = {name: tree_sha256(f.path) for name, f in fx.items()}
-    return {"root": root, "fx": fx, "hashes": hashes}
 
 
 @pytest.fixture(scope="session")

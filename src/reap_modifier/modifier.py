@@ -28,9 +28,9 @@ from .fileio import sha256_file, write_json_atomic
 from .models import MoEArchitecture, find_moe_architecture
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
 from .scores.baselines import baseline_saliency, baseline_scores, layer_number, model_fingerprint
-from .scores.keep_count import KeepCount, compute_keep_count
+from .scores.keep_count import KeepCount, PlanError, compute_keep_count
 from .scores.plan import PruningPlan
-from .surgery import apply_plan
+from .surgery import apply_plan, check_plan_fits
 
 __all__ = ["REAPPruningModifier"]
 
@@ -189,8 +189,12 @@ class REAPPruningModifier(Modifier):
         self._cpu_group = distributed.make_cpu_group()
         if self.plan_in is not None:
             plan = PruningPlan.load(self.plan_in)
+            try:
+                check_plan_fits(arch, plan)
+            except PlanError as exc:
+                raise PlanError(f"plan_in {self.plan_in}: {exc}") from exc
             logger.info(f"REAP: applying plan {self.plan_in} ({plan.num_kept} experts per layer)")
-            self._make_output_dirs()
+            self._make_output_dirs()  # only once the plan is known to fit
             self._apply(state.model, plan)
             return True
         self._keep = compute_keep_count(
@@ -207,9 +211,10 @@ class REAPPruningModifier(Modifier):
             f"{arch.num_experts} experts (top-{arch.top_k}); keeping {self._keep.keep} "
             f"per layer by {self.saliency!r}"
         )
+        scores_in = self._load_scores_in() if self.scores_in is not None else None
         self._make_output_dirs()  # only once the request is known to be valid
-        if self.scores_in is not None:
-            self._cut_from_file(state.model)
+        if scores_in is not None:
+            self._cut_from_file(state.model, scores_in)
         elif self.saliency in BASELINE_METHODS:
             self._cut_from_weights(state.model)
         else:
@@ -291,8 +296,8 @@ class REAPPruningModifier(Modifier):
         counts = {name: stats["count"] for name, stats in scores.layers.items()}
         self._cut(model, scores.saliency(self.saliency), counts)
 
-    def _cut_from_file(self, model: torch.nn.Module) -> None:
-        """``scores_in``: the same cut, from statistics computed elsewhere."""
+    def _load_scores_in(self) -> ExpertScores:
+        """Read ``scores_in`` and check it belongs to this model (before any change)."""
         arch = self._arch
         scores = ExpertScores.load(self.scores_in)
         if scores.num_experts != arch.num_experts:
@@ -312,6 +317,11 @@ class REAPPruningModifier(Modifier):
                 f"scores_in {self.scores_in} was computed on a model with different "
                 "router weights (model_fingerprint mismatch)"
             )
+        scores.saliency(self.saliency)  # the criterion exists in this file
+        return scores
+
+    def _cut_from_file(self, model: torch.nn.Module, scores: ExpertScores) -> None:
+        """``scores_in``: the same cut, from statistics computed elsewhere."""
         self._scores = scores
         counts = {n: s["count"] for n, s in scores.layers.items() if "count" in s}
         self._cut(model, scores.saliency(self.saliency), counts or None)

@@ -92,12 +92,9 @@ def update_config_counts(config, keys: list[str], new_count: int) -> None:
         logger.info(f"REAP: {type(config).__name__}.{key}: {old} -> {new_count}")
 
 
-def apply_plan(model: nn.Module, arch: MoEArchitecture, plan: PruningPlan) -> None:
-    """Apply ``plan`` to every MoE layer of ``model`` and update the config counts.
-
-    :raises PlanError: the plan does not cover exactly the model's MoE layers or its
-        expert count differs from the model's
-    """
+def check_plan_fits(arch: MoEArchitecture, plan: PruningPlan) -> None:
+    """Raise :class:`PlanError` unless ``plan`` covers exactly the model's MoE layers,
+    with the model's expert count, and is itself valid (checked before any change)."""
     if plan.num_experts != arch.num_experts:
         raise PlanError(
             f"plan was made for {plan.num_experts} experts per layer, the model has "
@@ -112,6 +109,15 @@ def apply_plan(model: nn.Module, arch: MoEArchitecture, plan: PruningPlan) -> No
             f"unknown {extra[:4]}"
         )
     plan.validate()
+
+
+def apply_plan(model: nn.Module, arch: MoEArchitecture, plan: PruningPlan) -> None:
+    """Apply ``plan`` to every MoE layer of ``model`` and update the config counts.
+
+    :raises PlanError: the plan does not cover exactly the model's MoE layers or its
+        expert count differs from the model's
+    """
+    check_plan_fits(arch, plan)
     for layer in arch.layers:
         prune_layer(layer, plan.kept[layer.name], arch.num_experts)
     update_config_counts(arch.config, arch.count_keys, plan.num_kept)

@@ -5,8 +5,9 @@ Stages of a rewrite, one module each: :mod:`.layout` reads a checkpoint's header
 finds its MoE blocks; :mod:`.binding` maps a plan onto them; :mod:`.converter` is the
 compressed-tensors ``Converter`` that applies it; :mod:`.byte_copy` streams kept byte
 ranges; :mod:`.source_hashes` hashes the source alongside; :mod:`.upstream` holds the
-workarounds for compressed-tensors' ``convert_checkpoint``; :mod:`.destination` makes
-the output atomic; :mod:`.rewrite` is the entry point.
+workarounds for compressed-tensors' ``convert_checkpoint``; :mod:`.destination` claims
+the output and makes it atomic; :mod:`.rewrite` is the entry point.
+(:mod:`.pause_points` is a test hook: it stops a rewrite at a named point.)
 """
 
 from .binding import (
@@ -18,12 +19,13 @@ from .binding import (
 )
 from .byte_copy import default_output_checksum, new_hasher
 from .converter import ExpertPlanPruner
-from .destination import check_destination
+from .destination import DestinationClaim, check_destination, work_dir_kind
 from .errors import CheckpointError, DestinationError
 from .layout import (
     COUNT_KEY_CONTAINERS,
     CheckpointLayout,
     MoEBlock,
+    check_packed_scales,
     find_count_keys,
     inspect_checkpoint,
 )
@@ -36,6 +38,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointLayout",
     "DEFAULT_METHOD",
+    "DestinationClaim",
     "DestinationError",
     "ExpertPlanPruner",
     "ExpertRemap",
@@ -46,6 +49,7 @@ __all__ = [
     "TensorEntry",
     "bind_plan",
     "check_destination",
+    "check_packed_scales",
     "default_hash_cache",
     "default_output_checksum",
     "find_count_keys",
@@ -55,4 +59,5 @@ __all__ = [
     "renumber_module_names",
     "resolve_block",
     "rewrite_checkpoint",
+    "work_dir_kind",
 ]

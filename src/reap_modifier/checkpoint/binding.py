@@ -35,6 +35,7 @@ from .layout import (
     CheckpointLayout,
     MoEBlock,
     check_block,
+    check_packed_scales,
     find_count_keys,
     preview,
 )
@@ -171,6 +172,12 @@ def bind_plan(layout: CheckpointLayout, plan: PruningPlan, *, extra_layers: Extr
             problems.append(f"{b.prefix}: {b.num_experts} experts in the checkpoint, the plan is for {E}")
     if problems:
         raise CheckpointError("checkpoint does not fit the plan:\n  " + "\n  ".join(problems))
+    problems = check_packed_scales({n: layout.entry(n) for n in layout.weight_map}, layout.config)
+    if problems:
+        raise CheckpointError(
+            f"{layout.path}: packed weights and scales disagree:\n  " + "\n  ".join(problems[:20])
+            + (f"\n  ... {len(problems) - 20} more" if len(problems) > 20 else "")
+        )
     layer_map: dict[str, str] = {}
     for layer in plan.kept:
         layer_map[layer] = resolve_block(layer, layout.blocks)
@@ -200,6 +207,17 @@ def bind_plan(layout: CheckpointLayout, plan: PruningPlan, *, extra_layers: Extr
             hint = ""
             if nh is not None and any(layout.blocks[p].layer_index is not None and layout.blocks[p].layer_index >= int(nh) for p in uncovered):
                 hint = f" (layer index >= num_hidden_layers={nh}: an MTP / next-token-prediction layer)"
+            regular = [
+                p for p in uncovered
+                if nh is not None and layout.blocks[p].layer_index is not None and layout.blocks[p].layer_index < int(nh)
+            ]
+            if regular:  # not an MTP layer: the plan is incomplete or for another model
+                raise CheckpointError(
+                    f"the plan does not cover MoE layer(s) {', '.join(regular)} of the checkpoint "
+                    f"(decoder layers, below num_hidden_layers={nh}); a plan must name every MoE "
+                    "layer the model runs: cut it from scores of this checkpoint (reap cut, or "
+                    "reap prune --scores)"
+                )
             raise CheckpointError(
                 f"the checkpoint has MoE layer(s) the plan does not cover: {described}{hint}. "
                 "Every MoE layer must end with the same expert count. Pass --extra-layers "

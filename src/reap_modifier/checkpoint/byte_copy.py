@@ -19,7 +19,8 @@ from .errors import CheckpointError
 __all__ = ["ByteMover", "CHUNK_BYTES", "default_output_checksum", "merge_ranges", "new_hasher"]
 
 #: streaming I/O: chunk size and number of ring buffers (memory = CHUNK * BUFFERS)
-CHUNK_BYTES = int(os.environ.get("REAP_CHUNK_MB", "16")) << 20
+#: (``REAP_CHUNK_MB`` may be fractional: the interruption tests use ~10 KiB chunks)
+CHUNK_BYTES = max(4096, int(float(os.environ.get("REAP_CHUNK_MB", "16")) * (1 << 20)))
 RING_BUFFERS = 3
 
 
@@ -105,6 +106,7 @@ class ByteMover:
         segments: list[tuple[int, int]],
         *,
         progress: Callable[[int], None] | None = None,
+        after_first_chunk: Callable[[], None] | None = None,
     ) -> str:
         """Write ``head`` then source byte ``segments`` (ascending) to ``dst``; return
         the checksum (:attr:`kind`) of ``dst``."""
@@ -144,6 +146,9 @@ class ByteMover:
                             _write_all(fd_out, piece)
                         if progress is not None:
                             progress(sum(len(p) for p in pieces))
+                        if after_first_chunk is not None:
+                            after_first_chunk()
+                            after_first_chunk = None
                         pos = end
                         slot = (slot + 1) % RING_BUFFERS
                 if seg:

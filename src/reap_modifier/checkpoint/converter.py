@@ -20,6 +20,7 @@ from .layout import (
     preview,
     set_dotted,
 )
+from .pause_points import pause_point
 from .safetensors_header import encode_header
 
 __all__ = ["ExpertPlanPruner"]
@@ -131,7 +132,11 @@ class ExpertPlanPruner(_ConverterBase):
         ((src_file, names),) = inverse_weight_map.items()
         src_file = Path(src_file)
         layout = self.spec.layout
-        shard = Path(os.path.relpath(src_file.resolve(), layout.path.resolve())).as_posix()
+        # the path as listed (a shard may be a symlink out of the folder, as in the
+        # Hugging Face cache: snapshots/<rev>/x.safetensors -> ../../blobs/<sha>)
+        shard = Path(os.path.relpath(os.path.abspath(src_file), os.path.abspath(layout.path))).as_posix()
+        if shard not in layout.shards:
+            shard = Path(os.path.relpath(src_file.resolve(), layout.path.resolve())).as_posix()
         if shard not in layout.shards:
             raise CheckpointError(f"{src_file} is not a shard of {layout.path}")
         header = layout.shards[shard]
@@ -153,7 +158,11 @@ class ExpertPlanPruner(_ConverterBase):
         head = encode_header(out_entries, header.metadata)
         if self._mover is None:
             self._mover = ByteMover(self.output_checksum)
-        out_hash = self._mover.copy(src_file, Path(save_path), head, merge_ranges(segments), progress=self.progress)
+        first = not self.output_bytes
+        out_hash = self._mover.copy(
+            src_file, Path(save_path), head, merge_ranges(segments), progress=self.progress,
+            after_first_chunk=(lambda: pause_point("first-shard")) if first else None,
+        )
         expect = len(head) + pos
         if (got := Path(save_path).stat().st_size) != expect:
             raise CheckpointError(f"{save_path}: wrote {got} bytes, expected {expect}")
@@ -161,4 +170,6 @@ class ExpertPlanPruner(_ConverterBase):
         with self._lock:
             self.output_checksums[name] = out_hash
             self.output_bytes[name] = expect
+        if len(self.output_bytes) == max(1, len(layout.shards) // 2):
+            pause_point("mid")
         return pos, {n: name for n, *_ in out_entries}

@@ -16,13 +16,14 @@ from typing import Iterable, Mapping
 
 from ..models.config_keys import COUNT_KEYS, N_GROUP_KEYS, TOP_K_KEYS, TOPK_GROUP_KEYS
 from .errors import CheckpointError
-from .safetensors_header import ShardHeader, TensorEntry, read_safetensors_header
+from .safetensors_header import _ST_DTYPE_BYTES, ShardHeader, TensorEntry, read_safetensors_header
 
 __all__ = [
     "COUNT_KEY_CONTAINERS",
     "CheckpointLayout",
     "MoEBlock",
     "check_block",
+    "check_packed_scales",
     "find_count_keys",
     "format_ids",
     "inspect_checkpoint",
@@ -38,6 +39,8 @@ COUNT_KEY_CONTAINERS = ("text_config", "language_config", "llm_config")
 QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")
 #: module names (directly under a MoE block) whose tensors are router rows
 ROUTER_MODULES = ("gate", "router")
+#: the one safetensors file of an unindexed checkpoint
+SINGLE_FILE_NAME = "model.safetensors"
 
 PER_EXPERT_RE = re.compile(r"^(?P<block>.+)\.experts\.(?P<idx>\d+)\.(?P<rest>.+)$")
 FUSED_RE = re.compile(r"^(?P<block>.+)\.experts\.(?P<rest>[^.\d][^.]*(?:\..+)?)$")
@@ -173,6 +176,14 @@ def read_weight_map(path: Path) -> tuple[str | None, dict[str, str]]:
             f"{path}: no model.safetensors.index.json and {len(shards)} safetensors files; "
             "not a safetensors checkpoint directory"
         )
+    if shards[0] != SINGLE_FILE_NAME:
+        # transformers and compressed-tensors' convert_checkpoint only read a single
+        # unindexed file under this name
+        raise CheckpointError(
+            f"{path}: the only safetensors file is {shards[0]!r} and there is no "
+            f"model.safetensors.index.json; rename it to {SINGLE_FILE_NAME} (the name "
+            "transformers loads) or add an index"
+        )
     header = read_safetensors_header(path / shards[0], shards[0], strict=False)
     return None, {name: shards[0] for name in header.entries}
 
@@ -249,6 +260,57 @@ def check_block(block: MoEBlock, entries: Mapping[str, TensorEntry], expected: i
             lacking = union - modules[idx]
             if lacking:
                 problems.append(f"{p}.experts.{idx}: lacks {sorted(lacking)}")
+    return problems
+
+
+def _weight_quant_specs(config: dict) -> set[tuple[int, str, int | None]]:
+    """``(num_bits, strategy, group_size)`` of every weight scheme in the quantization config."""
+    specs = set()
+    for qc in quant_configs(config):
+        for group in (qc.get("config_groups") or {}).values():
+            w = group.get("weights") if isinstance(group, dict) else None
+            if isinstance(w, dict) and isinstance(w.get("num_bits"), int) and w["num_bits"] > 0:
+                specs.add((w["num_bits"], str(w.get("strategy")), w.get("group_size")))
+    return specs
+
+
+def check_packed_scales(entries: Mapping[str, TensorEntry], config: dict) -> list[str]:
+    """Packed weights whose ``weight_scale`` shape does not fit ``weight_packed``.
+
+    For a 2-D ``weight_packed`` ``[out, p]`` holding ``8 * itemsize / num_bits`` values
+    per element (MXFP4: two per byte), a ``group`` / ``tensor_group`` scheme needs a
+    ``weight_scale`` of ``[out, ceil(in / group_size)]`` and a ``channel`` scheme
+    ``[out, 1]``.  Headers only; a scale that fits any weight scheme of the config passes.
+    """
+    specs = _weight_quant_specs(config)
+    problems: list[str] = []
+    if not specs:
+        return problems
+    for name, packed in entries.items():
+        if not name.endswith(".weight_packed"):
+            continue
+        scale = entries.get(name[: -len("packed")] + "scale")
+        item = _ST_DTYPE_BYTES.get(packed.dtype)
+        if scale is None or item is None or len(packed.shape) != 2:
+            continue
+        allowed = []
+        for bits, strategy, group_size in sorted(specs, key=str):
+            per = item * 8 // bits
+            if per < 1:
+                continue
+            cols = packed.shape[1] * per  # the last element may hold padding
+            if strategy in ("group", "tensor_group") and group_size:
+                widths = sorted({-(-n // group_size) for n in range(max(1, cols - per + 1), cols + 1)})
+                allowed += [(packed.shape[0], w) for w in widths]
+            elif strategy == "channel":
+                allowed.append((packed.shape[0], 1))
+        if allowed and tuple(scale.shape) not in allowed:
+            problems.append(
+                f"{scale.name}: shape {list(scale.shape)} does not match {name} "
+                f"{packed.dtype}{list(packed.shape)} (expected {list(allowed[-1])} under the "
+                "checkpoint's quantization_config); the checkpoint is corrupt or was written "
+                "for another scheme: re-export it"
+            )
     return problems
 
 

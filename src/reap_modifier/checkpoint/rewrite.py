@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from pathlib import Path
 
 from loguru import logger
@@ -37,10 +36,11 @@ from ..fileio import sha256_file, write_json_atomic
 from ..scores.plan import PruningPlan
 from .binding import ExtraLayers, bind_plan
 from .converter import ExpertPlanPruner
-from .destination import check_destination, swap_into_place
-from .errors import CheckpointError
+from .destination import DestinationClaim, check_destination, swap_into_place, work_path
+from .errors import CheckpointError, DestinationError
 from .layout import inspect_checkpoint
 from .manifest import MANIFEST_NAME, build_manifest
+from .pause_points import pause_point
 from .source_hashes import SourceHasher, default_hash_cache
 from .upstream import convert
 
@@ -68,10 +68,11 @@ def rewrite_checkpoint(
     """Write ``dst``: the checkpoint at ``src`` with ``plan`` applied, bit-exact.
 
     Everything that can be checked is checked before any byte is written (see
-    :func:`bind_plan`, :func:`check_destination`).  The output is built in a
-    temporary directory next to ``dst`` and renamed into place when complete; on any
-    error (or interrupt) the temporary directory is removed and ``dst`` is left as it
-    was.  ``src`` is only read.  ``dst/pruning_manifest.json`` records the plan, the
+    :func:`bind_plan`, :func:`check_destination`).  The run claims ``dst`` (one run
+    at a time; leftovers of killed runs are removed, see :mod:`.destination`), builds
+    the output in a temporary directory next to it and swaps it into place when
+    complete; on any error (or interrupt) the temporary directory is removed and
+    ``dst`` is left as it was.  ``src`` is only read.  ``dst/pruning_manifest.json`` records the plan, the
     sha256 of every source shard (unless ``hash_source=False``) and of the scores
     file, the layer map, and the size and checksum of every output shard.
 
@@ -113,9 +114,16 @@ def rewrite_checkpoint(
             {shard: layout.path / shard for shard in layout.shards}, workers=hash_workers, cache=cache
         )
     bar = None
-    tmp = dst.parent / f".{dst.name}.reap-tmp-{uuid.uuid4().hex[:8]}"
+    claim = DestinationClaim(dst).acquire()
+    tmp = work_path(dst, "tmp")
     converter = None
     try:
+        check_destination(src, dst, force=force)  # again: another run may have finished meanwhile
+        claim.clean_leftovers()
+        try:
+            os.mkdir(tmp)
+        except OSError as exc:
+            raise DestinationError(f"cannot create {tmp} ({exc.strerror}); choose an --out in a folder you can write") from exc
         if hasher is not None:
             hasher.prepare()
         if progress:
@@ -175,6 +183,7 @@ def rewrite_checkpoint(
             extra=extra,
         )
         write_json_atomic(tmp / MANIFEST_NAME, manifest)
+        pause_point("rename")
         swap_into_place(tmp, dst)
     except BaseException:
         if hasher is not None:
@@ -183,6 +192,8 @@ def rewrite_checkpoint(
             bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        claim.release()
     logger.info(
         f"REAP: wrote {dst} ({plan.num_experts} -> {plan.num_kept} experts in "
         f"{len(spec.block_kept)} MoE layers; {converter.counts})"

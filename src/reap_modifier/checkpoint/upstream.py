@@ -86,7 +86,7 @@ def convert(src: Path, tmp: Path, converter: ExpertPlanPruner, *, stream: bool =
 
     ctx = upstream_gaps(converter) if stream else contextlib.nullcontext()
     try:
-        with _CONVERT_LOCK, ctx, _quiet_upstream_logs():
+        with _CONVERT_LOCK, ctx, _quiet_upstream_logs(), _upstream_progress_bars(converter.progress is not None):
             convert_checkpoint(src, tmp, converter, device="cpu")
     finally:
         converter.close()
@@ -111,6 +111,32 @@ def convert(src: Path, tmp: Path, converter: ExpertPlanPruner, *, stream: bool =
                     h.update(block)
             converter.output_checksums[path.name] = h.hexdigest()
             converter.output_bytes[path.name] = path.stat().st_size
+
+
+@contextlib.contextmanager
+def _upstream_progress_bars(enabled: bool):
+    """compressed-tensors' ``exec_jobs`` / ``exec_jobs_dynamic`` always draw their
+    "Validating" / "Converting" tqdm bars; without progress output (``reap prune -q``,
+    ``progress=False``) they are created disabled for the duration of the call."""
+    if enabled:
+        yield
+        return
+    import functools
+    import types
+
+    import tqdm as tqdm_module
+
+    quiet = types.SimpleNamespace(tqdm=functools.partial(tqdm_module.tqdm, disable=True))
+    modules = [importlib.import_module(_CONVERT_MODULE),
+               importlib.import_module("compressed_tensors.entrypoints.convert.memory")]
+    saved = [(m, m.__dict__.get("tqdm")) for m in modules if m.__dict__.get("tqdm") is tqdm_module]
+    for m, _ in saved:
+        m.tqdm = quiet
+    try:
+        yield
+    finally:
+        for m, original in saved:
+            m.tqdm = original
 
 
 @contextlib.contextmanager

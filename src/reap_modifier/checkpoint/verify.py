@@ -31,10 +31,12 @@ from typing import Callable, Iterable
 
 from .binding import ExpertRemap, resolve_block
 from .byte_copy import new_hasher
+from .destination import work_dir_kind
 from .errors import CheckpointError
 from .layout import (
     MODULE_EXPERT_RE,
     check_block,
+    check_packed_scales,
     find_count_keys,
     quant_configs,
     read_weight_map,
@@ -204,6 +206,11 @@ def verify_checkpoint(
     ``.failures``; ``.raise_if_failed()`` raises :class:`VerifyError`)."""
     dst = Path(dst)
     report = VerifyReport(path=str(dst), source=str(source) if source is not None else None)
+    if work_dir_kind(dst) is not None:
+        report.fail(
+            f"{dst} is a work directory of an interrupted (or running) `reap prune`, not a "
+            "finished output; rerun reap prune (it removes such directories)"
+        )
     loaded = _load_structure(dst, report, "output")
     if loaded is None:
         return report
@@ -240,6 +247,8 @@ def verify_checkpoint(
         report.info["num_experts"] = E
     if not blocks:
         report.fail("no MoE layer (no '.experts.' tensors) in the checkpoint")
+    for problem in check_packed_scales(entries, config):
+        report.fail(problem)
     if E is not None:
         for block in blocks.values():
             for problem in check_block(block, entries, E):
@@ -281,8 +290,19 @@ def verify_checkpoint(
         )
     block_kept = None
     out_hashes_expected: dict[str, tuple[str, str]] = {}
+    if manifest is not None and not isinstance(manifest, dict):
+        report.fail(f"{MANIFEST_NAME} is not a JSON object")
+        manifest = None
     if manifest is not None:
-        block_kept = _check_manifest(manifest, report, blocks, E, shards, out_hashes_expected)
+        try:
+            block_kept = _check_manifest(manifest, report, blocks, E, shards, out_hashes_expected)
+        except CheckpointError:
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:
+            # hand-edited or damaged: a failure to report, never a crash
+            report.fail(f"{MANIFEST_NAME} is malformed ({type(exc).__name__}: {exc}); checkpoint.block_kept, "
+                        "layers and output_shards must be as reap prune writes them")
+            block_kept, out_hashes_expected = None, {}
 
     # -- output shard hashes (+ per-tensor hashes when comparing with the source) ------
     bar = _bar(progress, sum(h.file_size for h in shards.values()), "verify output")
@@ -305,7 +325,12 @@ def verify_checkpoint(
         bar.close()
 
     if source is not None and block_kept is not None:
-        _compare_with_source(Path(source), manifest, block_kept, entries, dst_tensor_sha, report, progress)
+        try:
+            _compare_with_source(Path(source), manifest, block_kept, entries, dst_tensor_sha, report, progress)
+        except CheckpointError as exc:
+            report.fail(f"source: {exc}")
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:
+            report.fail(f"{MANIFEST_NAME} is malformed ({type(exc).__name__}: {exc}); cannot compare with the source")
     report.info["checked_against_source"] = source is not None and block_kept is not None
     return report
 
@@ -330,6 +355,9 @@ def _check_manifest(manifest, report, blocks, E, shards, out_hashes_expected) ->
     block_kept = ck.get("block_kept")
     if not isinstance(block_kept, dict):
         report.fail(f"{MANIFEST_NAME}: no checkpoint.block_kept (not written by the checkpoint rewriter)")
+        return None
+    if not all(isinstance(ids, list) for ids in block_kept.values()):
+        report.fail(f"{MANIFEST_NAME}: checkpoint.block_kept must map layers to lists of ids")
         return None
     block_kept = {p: [int(i) for i in ids] for p, ids in block_kept.items()}
     for p in sorted(set(blocks) - set(block_kept)):

@@ -6,7 +6,8 @@
 
 Exit codes (every command): 0 ok; 1 a check failed (``reap verify`` found a problem,
 or a rewrite failed after its inputs were accepted); 2 usage or bad input (the
-message says what to change, nothing was written).
+message says what to change, nothing was written); 130 ``reap prune`` interrupted
+(Ctrl-C / SIGTERM; nothing was written).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ __all__ = ["app"]
 app = typer.Typer(
     name="reap",
     help="REAP expert pruning: scores, plans, checkpoint surgery and verification.",
-    epilog="Exit codes: 0 ok, 1 a check failed, 2 usage or bad input. "
+    epilog="Exit codes: 0 ok, 1 a check failed, 2 usage or bad input, 130 interrupted. "
     "Example: reap cut scores.safetensors --keep 448 -o plan.json",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,

@@ -19,7 +19,8 @@ from .common import console, fail, greedy, key_values
 
 __all__ = ["register"]
 
-_ERRORS = (ScoresError, PlanError)
+#: user errors: bad files or requests, file system errors included (exit 2, one line)
+_ERRORS = (ScoresError, PlanError, OSError)
 
 TIERS_EXAMPLE = "Example: reap tiers scores.safetensors --keep 672 448 384 224 [-o tiers/]"
 COMPARE_EXAMPLE = (

@@ -8,13 +8,14 @@ saying what to change; a failed verification exits with code 1.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from .common import EXIT_CHECK_FAILED, fail
+from .common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, fail
 
 __all__ = ["register", "build_plan_from_scores"]
 
@@ -23,6 +24,28 @@ PRUNE_EXAMPLE = (
     "--out /models/K3-448 ; reap prune /models/K3 --plan plan.json --out /models/K3-448"
 )
 VERIFY_EXAMPLE = "Example: reap verify /models/K3-448 --source /models/K3"
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """SIGTERM (a scheduler's kill, ``timeout``) takes the same path as Ctrl-C: the
+    rewriter removes its temporary directory and the command says so.  (SIGKILL
+    cannot be caught: its leftovers are removed by the next run into the same output.)"""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def build_plan_from_scores(
@@ -49,8 +72,16 @@ def build_plan_from_scores(
     E = layout.num_experts
     if scores.num_experts != E:
         raise CheckpointError(
-            f"scores file is for {scores.num_experts} experts per layer, the checkpoint has {E}"
+            f"scores file {scores_path} is for {scores.num_experts} experts per layer, the "
+            f"checkpoint has {E}: the scores were made for another model"
         )
+    from ..checkpoint.binding import resolve_block
+
+    for layer in scores.layers:  # every scored layer must be a MoE block of this checkpoint
+        try:
+            resolve_block(layer, layout.blocks, what=f"scores file {scores_path}: layer")
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc}; the scores were made for another model") from exc
     top_k = layout.top_k if layout.top_k is not None else meta.get("top_k")
     if top_k is None:
         raise CheckpointError("neither config.json nor the scores file states top-k")
@@ -121,6 +152,7 @@ def register(app: typer.Typer) -> None:
         """Prune routed experts from a checkpoint: kept experts' bytes copied verbatim."""
         from ..checkpoint import (
             CheckpointError,
+            DestinationError,
             bind_plan,
             check_destination,
             inspect_checkpoint,
@@ -139,6 +171,8 @@ def register(app: typer.Typer) -> None:
             fail(f"--output-checksum must be xxh3_128 or sha256, got {output_checksum!r}")
         if extra_layers not in ("error", "like-last"):
             fail(f"--extra-layers must be 'error' or 'like-last', got {extra_layers!r}")
+        if save_plan is not None and save_plan.is_dir():
+            fail(f"--save-plan {save_plan} is a directory; give the path of the JSON file to write")
         try:
             layout = inspect_checkpoint(src)
             if layout.unindexed_files:
@@ -155,8 +189,13 @@ def register(app: typer.Typer) -> None:
             spec = bind_plan(layout, the_plan, extra_layers=extra_layers)
         except (CheckpointError, PlanError, ScoresError) as exc:
             fail(exc)
+        except OSError as exc:
+            fail(f"cannot read {exc.filename or src}: {exc.strerror or exc}")
         if save_plan is not None:
-            the_plan.save(save_plan)
+            try:
+                the_plan.save(save_plan)
+            except OSError as exc:
+                fail(f"--save-plan {save_plan}: cannot write it ({exc.strerror})")
         typer.echo(
             f"pruning {src} -> {out}: {the_plan.num_experts} -> {the_plan.num_kept} experts in "
             f"{len(spec.block_kept)} MoE layers"
@@ -164,21 +203,30 @@ def register(app: typer.Typer) -> None:
             err=True,
         )
         try:
-            dst = rewrite_checkpoint(
-                src,
-                the_plan,
-                out,
-                scores_path=scores,
-                force=force,
-                extra_layers=extra_layers,
-                progress=not quiet,
-                hash_source=not no_hash_source,
-                hash_cache=False if no_hash_cache else None,
-                output_checksum=output_checksum,
-                manifest_extra={"cli": {"argv": sys.argv[1:], "plan_file": str(plan) if plan else None}},
-            )
+            with _interruptible():
+                dst = rewrite_checkpoint(
+                    src,
+                    the_plan,
+                    out,
+                    scores_path=scores,
+                    force=force,
+                    extra_layers=extra_layers,
+                    progress=not quiet,
+                    hash_source=not no_hash_source,
+                    hash_cache=False if no_hash_cache else None,
+                    output_checksum=output_checksum,
+                    manifest_extra={"cli": {"argv": sys.argv[1:], "plan_file": str(plan) if plan else None}},
+                )
+        except DestinationError as exc:  # taken by another run meanwhile, not writable
+            fail(exc)
         except (CheckpointError, PlanError) as exc:
             fail(exc, EXIT_CHECK_FAILED)
+        except KeyboardInterrupt:
+            fail(f"interrupted: {out} was not written (nor replaced) and the source is untouched; "
+                 "rerun the same command to start again", EXIT_INTERRUPTED)
+        except OSError as exc:
+            fail(f"{exc.strerror or exc} ({exc.filename or out}): {out} was not written (nor replaced) "
+                 "and the source is untouched", EXIT_CHECK_FAILED)
         typer.echo(str(dst))
 
     @app.command("verify", epilog=VERIFY_EXAMPLE)
@@ -188,9 +236,13 @@ def register(app: typer.Typer) -> None:
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     ):
         """Check a pruned checkpoint: counts, routers, expert indices, manifest, and (with --source) bytes."""
+        from ..checkpoint.errors import CheckpointError
         from ..checkpoint.verify import verify_checkpoint
 
-        report = verify_checkpoint(dst, source=source, progress=not quiet)
+        try:
+            report = verify_checkpoint(dst, source=source, progress=not quiet)
+        except (OSError, CheckpointError) as exc:
+            fail(f"{dst}: verification could not read the files ({exc})", EXIT_CHECK_FAILED)
         for w in report.warnings:
             typer.echo(f"warning: {w}", err=True)
         if not report.ok:

@@ -3,7 +3,8 @@ options that take several values after one flag.
 
 Exit codes: ``0`` ok; ``1`` a check failed (``reap verify`` found a problem, or a
 rewrite failed after its inputs were accepted); ``2`` usage or bad input (a message
-on stderr says what to change; nothing was written).
+on stderr says what to change; nothing was written); ``130`` interrupted (Ctrl-C or
+SIGTERM; nothing was written).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typer.core import TyperCommand
 
 __all__ = [
     "EXIT_CHECK_FAILED",
+    "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_USAGE",
     "GreedyCommand",
@@ -30,6 +32,7 @@ __all__ = [
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 console = Console()
 if not console.is_terminal:  # pipes, CI logs, CliRunner: do not squeeze tables to 80 columns
@@ -38,8 +41,15 @@ err_console = Console(stderr=True)
 
 
 def fail(exc: Exception | str, code: int = EXIT_USAGE) -> NoReturn:
-    """Print ``error: <message>`` on stderr and exit with ``code`` (no traceback)."""
-    err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+    """Print ``error: <message>`` on stderr and exit with ``code`` (no traceback).
+    An ``OSError`` (``-o`` names a directory, a full or read-only disk) is said as
+    its reason and the path it concerns."""
+    if isinstance(exc, OSError):
+        path = exc.filename2 or exc.filename
+        msg = f"{exc.strerror or exc}: {path}" if path else str(exc)
+    else:
+        msg = str(exc)
+    err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=code)
 
 

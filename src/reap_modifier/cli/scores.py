@@ -16,7 +16,8 @@ from .common import console, fail
 
 __all__ = ["register"]
 
-_ERRORS = (ScoresError, PlanError)
+#: user errors: bad files or requests, file system errors included (exit 2, one line)
+_ERRORS = (ScoresError, PlanError, OSError)
 
 
 def _load(path: Path) -> ExpertScores:

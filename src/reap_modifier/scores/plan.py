@@ -87,7 +87,17 @@ class PruningPlan:
     def num_kept(self) -> int:
         counts = {len(v) for v in self.kept.values()}
         if len(counts) != 1:
-            raise PlanError(f"plan keeps different counts per layer: {sorted(counts)}")
+            by_count: dict[int, list[str]] = {}
+            for layer, ids in self.kept.items():
+                by_count.setdefault(len(ids), []).append(layer)
+            detail = "; ".join(
+                f"{n} in {', '.join(layers[:3])}" + (f" (+{len(layers) - 3} more)" if len(layers) > 3 else "")
+                for n, layers in sorted(by_count.items())
+            )
+            raise PlanError(
+                f"plan keeps different counts per layer ({detail}); every MoE layer must keep "
+                "the same number (configs hold one expert count)"
+            )
         return counts.pop()
 
     def remap(self, layer: str) -> dict[int, int]:
@@ -99,12 +109,18 @@ class PruningPlan:
             raise PlanError("plan holds no layers")
         n = self.num_kept
         for layer, ids in self.kept.items():
-            if list(ids) != sorted(set(ids)):
-                raise PlanError(f"plan layer {layer!r}: kept ids must be ascending and unique")
-            if ids and not (0 <= ids[0] and ids[-1] < self.num_experts):
+            bad = [i for i in ids if not 0 <= i < self.num_experts]
+            if bad:
                 raise PlanError(
-                    f"plan layer {layer!r}: ids outside [0, {self.num_experts})"
+                    f"plan layer {layer!r}: ids {bad[:8]} outside [0, {self.num_experts}) "
+                    f"(num_experts={self.num_experts})"
                 )
+            seen: set[int] = set()
+            dup = sorted({i for i in ids if i in seen or seen.add(i)})
+            if dup:
+                raise PlanError(f"plan layer {layer!r}: kept ids must be ascending and unique; {dup[:8]} repeated")
+            if list(ids) != sorted(ids):
+                raise PlanError(f"plan layer {layer!r}: kept ids must be ascending (sort them)")
         if n == 0:
             raise PlanError("plan keeps no experts")
         return self
@@ -185,33 +201,55 @@ class PruningPlan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "PruningPlan":
+        if not isinstance(data, dict):
+            raise PlanError(f"not a REAP plan (a JSON {type(data).__name__}, expected an object)")
         if data.get("format") != PLAN_FORMAT:
-            raise PlanError(f"not a REAP plan (format {data.get('format')!r})")
+            raise PlanError(f"not a REAP plan (format {data.get('format')!r}, expected {PLAN_FORMAT!r})")
         if data.get("version") != PLAN_VERSION:
-            raise PlanError(f"plan version {data.get('version')!r} is not supported")
-        try:
-            return cls(
-                kept={k: [int(i) for i in v] for k, v in data["kept"].items()},
-                num_experts=int(data["num_experts"]),
-                saliency=data.get("saliency", "unknown"),
-                params=data.get("params", {}),
-                retained=data.get("retained_saliency_mass", {}),
-                ties=data.get("ties_at_cut", {}),
-                never_routed=data.get("never_routed", {}),
-            ).validate()
-        except KeyError as exc:
-            raise PlanError(f"plan lacks field {exc}") from exc
+            raise PlanError(
+                f"plan version {data.get('version')!r} is not supported (this reap-modifier "
+                f"reads version {PLAN_VERSION}); re-cut it with this version's `reap cut`"
+            )
+        for key in ("kept", "num_experts"):
+            if key not in data:
+                raise PlanError(f"plan lacks field {key!r}")
+        kept = data["kept"]
+        if not isinstance(kept, dict):
+            raise PlanError(f"plan field 'kept' must map layer names to lists of expert ids, got a {type(kept).__name__}")
+        ids: dict[str, list[int]] = {}
+        for layer, values in kept.items():
+            if not isinstance(values, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in values):
+                raise PlanError(f"plan layer {layer!r}: kept ids must be a list of integers, got {str(values)[:60]}")
+            ids[layer] = list(values)
+        num_experts = data["num_experts"]
+        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+            raise PlanError(f"plan field 'num_experts' must be a positive integer, got {num_experts!r}")
+        return cls(
+            kept=ids,
+            num_experts=num_experts,
+            saliency=data.get("saliency", "unknown"),
+            params=data.get("params", {}),
+            retained=data.get("retained_saliency_mass", {}),
+            ties=data.get("ties_at_cut", {}),
+            never_routed=data.get("never_routed", {}),
+        ).validate()
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "PruningPlan":
+        """Read and validate a plan file; :class:`PlanError` names the file and the problem."""
         path = Path(path)
         try:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError as exc:
             raise PlanError(f"plan file {path} does not exist") from exc
-        except json.JSONDecodeError as exc:
+        except IsADirectoryError as exc:
+            raise PlanError(f"plan file {path} is a directory") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise PlanError(f"plan file {path} is not valid JSON: {exc}") from exc
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except PlanError as exc:
+            raise PlanError(f"plan file {path}: {exc}") from exc
 
 
 # -- cutting a scores file ------------------------------------------------------------

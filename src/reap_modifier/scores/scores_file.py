@@ -312,7 +312,11 @@ class ExpertScores:
                 if (stat in _NON_NEGATIVE or stat.startswith(SOURCE_PREFIX)) and (
                     tensor < 0
                 ).any():
-                    raise ScoresError(f"{layer}::{stat} holds negative values")
+                    bad = (tensor < 0).nonzero().flatten().tolist()[:8]
+                    raise ScoresError(
+                        f"{layer}::{stat} holds negative values (experts {bad}); counts and "
+                        "norms cannot be negative: recalibrate or drop this file"
+                    )
         return self
 
     # -- merge -------------------------------------------------------------------
@@ -423,6 +427,8 @@ class ExpertScores:
             raise
         except Exception as exc:  # truncated / corrupt header
             raise ScoresError(f"cannot read scores file {path}: {exc}") from exc
+        if not isinstance(meta, dict) or not isinstance(meta.get("layers", []), list):
+            raise ScoresError(f"{path}: the 'reap_scores' metadata is not a JSON object with a layer list")
         if meta.get("format") != SCORES_FORMAT:
             raise ScoresError(f"{path}: format {meta.get('format')!r} is not {SCORES_FORMAT!r}")
         if meta.get("version") != SCORES_VERSION:
@@ -440,4 +446,7 @@ class ExpertScores:
         if empty:
             raise ScoresError(f"{path}: layers listed in metadata have no tensors: {empty[:4]}")
         meta = {k: v for k, v in meta.items() if k not in ("format", "version", "layers")}
-        return cls(layers=layers, metadata=meta).validate()
+        try:
+            return cls(layers=layers, metadata=meta).validate()
+        except ScoresError as exc:
+            raise ScoresError(f"{path}: {exc}") from exc
