@@ -119,6 +119,7 @@ class VllmCheckReport:
     probe: dict | None = None
     seconds: dict = field(default_factory=dict)
     log_path: str | None = None
+    server_pid: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -224,7 +225,7 @@ def _run_load_probe(report, info: VllmInfo, ckpt: Path, dtype, max_model_len, wo
     pl = res.get("placement") or {}
     if res.get("error"):
         report.loaded = False
-        report.failures.append(f"vLLM rejected the checkpoint at stage '{res.get('stage', 'config')}': {res['error']}")
+        report.failures.append(f"vLLM rejected the checkpoint during {res.get('stage', 'config')}: {res['error']}")
         return
     report.loaded = bool(res.get("ok"))
     for name in pl.get("missing", []):
@@ -263,6 +264,7 @@ def _run_serve(
     report.log_path = str(server.log_path)
     try:
         with server:
+            report.server_pid = server.proc.pid if server.proc else None
             report.seconds["server_start"] = round(server.startup_seconds or 0.0, 1)
             report.loaded = True
             t0 = time.monotonic()

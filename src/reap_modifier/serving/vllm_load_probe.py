@@ -237,6 +237,7 @@ def run(model: str, dtype: str, max_model_len: int) -> dict:
         from vllm.model_executor.model_loader import get_model_loader
         from vllm.utils.torch_utils import set_default_torch_dtype
 
+        result["stage"] = "config"
         cfg = _engine_config(model, dtype, max_model_len, result["shims"])
         mc = cfg.model_config
         result.update(architecture=mc.architecture, quantization=mc.quantization, dtype=str(mc.dtype))
@@ -250,11 +251,12 @@ def run(model: str, dtype: str, max_model_len: int) -> dict:
                 backend="gloo",
             )
             initialize_model_parallel(1, 1)
+            result["stage"] = "build"
             with set_default_torch_dtype(mc.dtype), torch.device("cpu"):
                 net = loader.create_model(vllm_config=cfg, model_config=mc)
-            result["stage"] = "built"
+            result["stage"] = "load"
             loader.load_weights(net, mc)  # raises if a parameter got no checkpoint tensor
-            result["stage"] = "loaded"
+            result["stage"] = "placement"
         params = {n: p.detach() for n, p in net.named_parameters()}
         params.update({n: b.detach() for n, b in net.named_buffers() if b.is_floating_point() or b.dtype == torch.uint8})
         result["parameters"] = len(params)
@@ -262,6 +264,7 @@ def run(model: str, dtype: str, max_model_len: int) -> dict:
         pl = result["placement"]
         result["checkpoint_tensors"] = pl["placed"] + len(pl["misplaced"]) + len(pl["missing"]) + len(pl["ignored"])
         result["ok"] = not pl["misplaced"] and not pl["missing"]
+        result["stage"] = "done"
     except BaseException as exc:  # report every failure as data, the caller decides
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc(limit=30)
