@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Reference", "greedy_reference", "load_reference_model", "make_prompts"]
+__all__ = ["Reference", "greedy_reference", "load_reference_model", "make_prompts", "sequence_logprobs"]
 
 
 @dataclass
@@ -72,3 +72,16 @@ def greedy_reference(model, prompts: list[list[int]], max_tokens: int) -> Refere
             logprobs.append(lps)
             margins.append(mgs)
     return Reference(tokens, logprobs, margins)
+
+
+def sequence_logprobs(model, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[float]]:
+    """Teacher-forced log-probability of each continuation token after its prompt."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for prompt, cont in zip(prompts, continuations):
+            ids = torch.tensor([prompt + cont], dtype=torch.long)
+            lp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].float(), dim=-1)
+            out.append([float(lp[len(prompt) - 1 + j, tok]) for j, tok in enumerate(cont)])
+    return out

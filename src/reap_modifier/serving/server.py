@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-__all__ = ["ServerError", "VllmServer", "free_port", "vllm_env"]
+__all__ = ["ServerError", "VllmServer", "free_port", "live_group_members", "vllm_env"]
 
 SERVED_NAME = "reap-check"
 
@@ -48,6 +48,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids of processes in group ``pgid`` that are not zombies (Linux ``/proc``; [] elsewhere)."""
+    out = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stat = entry.read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()  # after "pid (comm)": state ppid pgrp ...
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            out.append(int(entry.parent.name))
+    return out
 
 
 def vllm_env(extra: dict | None = None) -> dict:
@@ -168,6 +182,9 @@ class VllmServer:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:  # pragma: no cover
             pass
+        deadline = time.monotonic() + 10
+        while live_group_members(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def __enter__(self) -> "VllmServer":
         return self.start()

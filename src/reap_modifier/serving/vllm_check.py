@@ -116,6 +116,9 @@ class VllmCheckReport:
     vllm_tokens: list[list[int]] = field(default_factory=list)
     reference_tokens: list[list[int]] = field(default_factory=list)
     max_logprob_diff: float | None = None
+    #: vLLM's log-probability of each reference token on the reference sequences, and the reference's own
+    vllm_logprobs: list[list[float]] = field(default_factory=list)
+    reference_logprobs: list[list[float]] = field(default_factory=list)
     probe: dict | None = None
     seconds: dict = field(default_factory=dict)
     log_path: str | None = None
@@ -255,6 +258,7 @@ def _run_serve(
         model = reference_model if reference_model is not None else load_reference_model(ckpt, dtype)
         ref = greedy_reference(model, prompts, max_tokens)
         report.reference_tokens = ref.tokens
+        report.reference_logprobs = ref.logprobs
         report.seconds["reference"] = round(time.monotonic() - t0, 1)
         del model
     server = VllmServer(
@@ -273,7 +277,11 @@ def _run_serve(
             report.served = all(len(t) == max_tokens for t in report.vllm_tokens)
             if ref is not None:
                 scored = server.complete([p + t for p, t in zip(prompts, ref.tokens)], max_tokens=1, prompt_logprobs=0)
-                report.max_logprob_diff = _logprob_diff(scored, prompts, ref)
+                report.vllm_logprobs = _scored_logprobs(scored, prompts, ref.tokens)
+                if report.vllm_logprobs:
+                    report.max_logprob_diff = max(
+                        abs(a - b) for va, vb in zip(report.vllm_logprobs, ref.logprobs) for a, b in zip(va, vb)
+                    )
             report.seconds["requests"] = round(time.monotonic() - t0, 1)
     except ServerError as exc:
         if report.loaded is None:
@@ -307,13 +315,16 @@ def _run_serve(
         )
 
 
-def _logprob_diff(scored: list[dict], prompts, ref: Reference) -> float | None:
-    worst = 0.0
-    for choice, prompt, lps, toks in zip(scored, prompts, ref.logprobs, ref.tokens):
+def _scored_logprobs(scored: list[dict], prompts, tokens) -> list[list[float]]:
+    """vLLM's ``prompt_logprobs`` of each reference token ([] if vLLM did not return them)."""
+    out = []
+    for choice, prompt, toks in zip(scored, prompts, tokens):
         plp = choice.get("prompt_logprobs") or []
-        for j, (tok, lp) in enumerate(zip(toks, lps)):
+        row = []
+        for j, tok in enumerate(toks):
             entry = plp[len(prompt) + j] if len(plp) > len(prompt) + j else None
             if not entry or str(tok) not in entry:
-                return None
-            worst = max(worst, abs(float(entry[str(tok)]["logprob"]) - lp))
-    return worst
+                return []
+            row.append(float(entry[str(tok)]["logprob"]))
+        out.append(row)
+    return out
