@@ -23,6 +23,7 @@ device, ``serve`` otherwise.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -65,7 +66,9 @@ class VllmInfo:
     cuda: bool
 
 
+@functools.lru_cache(maxsize=8)
 def _probe_python(python: str) -> VllmInfo | None:
+    """vLLM's version and CUDA availability in ``python`` (importing vLLM takes ~5-15 s, once)."""
     code = "import json, torch, vllm; print(json.dumps([vllm.__version__, torch.cuda.is_available()]))"
     try:
         out = subprocess.run(
@@ -255,7 +258,14 @@ def _run_serve(
     ref: Reference | None = None
     if reference:
         t0 = time.monotonic()
-        model = reference_model if reference_model is not None else load_reference_model(ckpt, dtype)
+        try:
+            model = reference_model if reference_model is not None else load_reference_model(ckpt, dtype)
+        except Exception as exc:  # noqa: BLE001 - reported, the check cannot compare without it
+            report.failures.append(
+                f"transformers could not load the checkpoint for the reference ({type(exc).__name__}: {exc}); "
+                "pass --no-reference to check loading and serving only"
+            )
+            return
         ref = greedy_reference(model, prompts, max_tokens)
         report.reference_tokens = ref.tokens
         report.reference_logprobs = ref.logprobs

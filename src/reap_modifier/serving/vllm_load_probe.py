@@ -18,7 +18,9 @@ mapping, that every tensor of the checkpoint landed in the model:
   deliberately does not build (a vision tower in text-only mode, rotary caches),
   which are listed as ignored.
 
-The result (JSON) says what was proved.  Only the standard library, torch, safetensors
+The placement search is brute force over the loaded parameters: meant for checkpoints
+that fit in this machine's memory (tests, small models; a K3-class model is checked in
+``serve`` mode on GPUs instead).  The result (JSON) says what was proved.  Only the standard library, torch, safetensors
 and vLLM are imported: this file runs in vLLM's virtual environment, where
 reap-modifier is not installed.
 
