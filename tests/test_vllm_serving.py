@@ -10,7 +10,8 @@ unless ``REAP_REQUIRE_VLLM=1`` (``scripts/test.sh`` sets it, so CI fails instead
   checkpoint (float32 compute on both sides, so rounding near-ties of random tiny models
   cannot flip a token), and the log-probabilities of identical sequences agree to 1e-3;
   the unpruned model's tokens differ (the comparison can tell the models apart).
-- MXFP4 checkpoints (Kimi K3, the bundled trained model pruned; Qwen3-MoE): vLLM's weight
+- MXFP4 checkpoints (Kimi K3, the bundled trained model pruned by ``reap prune`` and by the
+  modifier; Qwen3-MoE): vLLM's weight
   loader accepts them and every tensor lands in vLLM's parameters, experts in their slot;
   a pruned checkpoint whose config still states the old count is rejected.
 """
@@ -199,6 +200,24 @@ def test_pruned_k3_mxfp4_passes_vllm_weight_loading(k3_pruned, vllm_python, tmp_
     n_tensors = sum(1 for _ in _tensor_names(dst))
     assert probe["checkpoint_tensors"] == n_tensors and probe["stage"] == "done"
     assert any("loaded every parameter" in line for line in report.proved)
+
+
+def test_modifier_k3_mxfp4_output_passes_vllm_weight_loading(vllm_python, tmp_path):
+    """The bundled K3 pruned by the modifier (data-free router_l1 cut, 64 -> 32):
+    ``oneshot(output_dir=...)`` writes it through the bit-exact compressed save."""
+    from llmcompressor import oneshot
+
+    from reap_modifier import REAPPruningModifier
+
+    dst = tmp_path / "k3-modifier"
+    modifier = REAPPruningModifier(saliency="router_l1", num_experts_to_keep=32, divisible_by=8)
+    oneshot(model=str(BUNDLED), recipe=[modifier], output_dir=str(dst))
+    cfg = json.loads((dst / "config.json").read_text())
+    assert cfg["text_config"]["num_experts"] == 32
+    assert cfg["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    report = check_with_vllm(dst, vllm_python=vllm_python, work_dir=tmp_path / "vllm")
+    assert report.mode == "load" and report.ok, "\n".join(report.failures)
+    assert report.probe["checkpoint_tensors"] == sum(1 for _ in _tensor_names(dst))
 
 
 def test_pruned_k3_with_stale_expert_count_is_rejected(k3_pruned, vllm_python, tmp_path):
