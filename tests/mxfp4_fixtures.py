@@ -90,6 +90,9 @@ def build_mxfp4_checkpoint(
     linearize_moe(model)
     # oneshot re-reads the config from model.name_or_path: give it one on disk
     cfg_dir = out.parent / f".{out.name}-config"
+    # a real source config names its class; llm-compressor's compressed save copies this
+    # file, and vLLM guesses a base-model architecture from a config without one
+    model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(cfg_dir)
     model.config._name_or_path = str(cfg_dir)
     recipe = QuantizationModifier(

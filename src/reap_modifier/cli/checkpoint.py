@@ -23,7 +23,10 @@ PRUNE_EXAMPLE = (
     "Examples: reap prune /models/K3 --scores scores.safetensors --keep 448 --divisible-by 8 "
     "--out /models/K3-448 ; reap prune /models/K3 --plan plan.json --out /models/K3-448"
 )
-VERIFY_EXAMPLE = "Example: reap verify /models/K3-448 --source /models/K3"
+VERIFY_EXAMPLE = (
+    "Example: reap verify /models/K3-448 --source /models/K3; "
+    "reap verify pruned/ --vllm --vllm-python .venv-vllm/bin/python --vllm-dtype float32"
+)
 
 
 @contextlib.contextmanager
@@ -234,6 +237,24 @@ def register(app: typer.Typer) -> None:
         dst: Path = typer.Argument(..., help="checkpoint directory to verify (a pruned output)"),
         source: Optional[Path] = typer.Option(None, "--source", help="the source checkpoint: compare every tensor's sha256"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+        vllm: bool = typer.Option(
+            False, "--vllm", help="also check that vLLM loads the checkpoint and serves the tokens transformers computes"
+        ),
+        vllm_python: Optional[Path] = typer.Option(
+            None, "--vllm-python", help="Python of an environment with vLLM (default: $REAP_VLLM_PYTHON, ./.venv-vllm/bin/python)"
+        ),
+        vllm_mode: str = typer.Option(
+            "auto", "--vllm-mode", help="serve (OpenAI server + greedy tokens), load (weight loading only), auto"
+        ),
+        vllm_dtype: str = typer.Option("auto", "--vllm-dtype", help="compute dtype on both sides: auto, bfloat16, float32"),
+        vllm_arg: Optional[list[str]] = typer.Option(
+            None, "--vllm-arg", help="extra vLLM server argument, e.g. --vllm-arg=--tensor-parallel-size=8 (repeatable)"
+        ),
+        vllm_max_tokens: int = typer.Option(16, "--vllm-max-tokens", help="greedy tokens per prompt"),
+        no_reference: bool = typer.Option(
+            False, "--no-reference", help="do not load the model in transformers: prove loading/serving only"
+        ),
+        vllm_work_dir: Optional[Path] = typer.Option(None, "--vllm-work-dir", help="where server logs and the JSON report go"),
     ):
         """Check a pruned checkpoint: counts, routers, expert indices, manifest, and (with --source) bytes."""
         from ..checkpoint.errors import CheckpointError
@@ -257,3 +278,37 @@ def register(app: typer.Typer) -> None:
             + (f", {info.get('tensors_matching_source')} tensors sha256-equal to the source" if info.get("checked_against_source") else "")
             + ")"
         )
+        if vllm:
+            _verify_with_vllm(
+                dst, vllm_python, vllm_mode, vllm_dtype, vllm_arg or [], vllm_max_tokens, not no_reference, vllm_work_dir
+            )
+
+
+def _verify_with_vllm(dst, python, mode, dtype, server_args, max_tokens, reference, work_dir) -> None:
+    """``reap verify --vllm``: print what was proved (loaded / served / tokens match)."""
+    from ..serving.vllm_check import VllmNotFound, check_with_vllm
+
+    if mode not in ("auto", "serve", "load"):
+        fail(f"--vllm-mode must be auto, serve or load, got {mode!r}")
+    if dtype not in ("auto", "bfloat16", "float16", "float32"):
+        fail(f"--vllm-dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
+    if max_tokens < 1:
+        fail("--vllm-max-tokens must be at least 1")
+    try:
+        report = check_with_vllm(
+            dst, vllm_python=python, mode=mode, dtype=dtype, reference=reference, max_tokens=max_tokens,
+            server_args=server_args, work_dir=work_dir,
+        )  # fmt: skip
+    except (VllmNotFound, ValueError) as exc:
+        fail(exc)
+    for line in report.proved:
+        typer.echo(f"vLLM {line}")
+    for line in report.notes:
+        typer.echo(f"note: {line}", err=True)
+    if not report.ok:
+        for line in report.failures:
+            typer.echo(f"FAIL: {line}", err=True)
+        typer.echo(f"{dst}: vLLM check FAILED (log: {report.log_path})", err=True)
+        raise typer.Exit(EXIT_CHECK_FAILED)
+    verdict = "tokens match" if report.tokens_match else ("served" if report.served else "loaded")
+    typer.echo(f"{dst}: vLLM check OK ({report.mode} mode: {verdict})")
