@@ -303,10 +303,10 @@ def _(env, tmp):
 
 @case("prune/plan-for-another-model-layers")
 def _(env, tmp):
-    kept = {"language_model.model.layers.1.block_sparse_moe": [0, 1, 2, 3, 4, 5],
-            "language_model.model.layers.2.block_sparse_moe": [0, 1, 2, 3, 4, 5]}
+    kept = {"language_model.model.layers.1.feed_forward": [0, 1, 2, 3, 4, 5],
+            "language_model.model.layers.2.feed_forward": [0, 1, 2, 3, 4, 5]}
     return Expect(_prune_plan(env, tmp, kept), 2,
-                  ["language_model.model.layers.1.block_sparse_moe", "no MoE block of the checkpoint is layer 1", Q_BLOCKS[0]])
+                  ["language_model.model.layers.1.feed_forward", "no MoE block of the checkpoint is layer 1", Q_BLOCKS[0]])
 
 
 @case("prune/plan-future-version")

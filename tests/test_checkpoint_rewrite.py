@@ -262,6 +262,18 @@ def test_resolve_block_exact_layer_and_ambiguous():
         resolve_block("encoder.moe", blocks)
 
 
+def test_resolve_block_container_renamed_by_transformers():
+    """Scores of a loaded Mixtral name `model.layers.L.mlp`; its checkpoint stores
+    `model.layers.L.block_sparse_moe` (transformers renames it on load)."""
+    blocks = ["model.layers.0.block_sparse_moe", "model.layers.1.block_sparse_moe"]
+    assert resolve_block("model.layers.1.mlp", blocks) == "model.layers.1.block_sparse_moe"
+    assert resolve_block("model.layers.0.block_sparse_moe", ["model.layers.0.mlp"]) == "model.layers.0.mlp"
+    with pytest.raises(CheckpointError, match="no MoE block of the checkpoint is layer 2"):
+        resolve_block("model.layers.2.mlp", blocks)
+    with pytest.raises(CheckpointError, match="no MoE block of the checkpoint is layer 0 'feed_forward'"):
+        resolve_block("model.layers.0.feed_forward", blocks)
+
+
 def test_mtp_extra_layer(sources, tmp_path):
     """A DeepSeek-V3 style MTP MoE layer (model.layers.{num_hidden_layers}) the plan
     does not cover: an error naming it, unless --extra-layers like-last."""

@@ -56,8 +56,16 @@ def _layer_key(name: str) -> tuple[int, str] | None:
     return (int(m["idx"]), m["container"]) if m else None
 
 
+#: MoE container names that transformers renames on load, both ways: a plan names the
+#: loaded model's module (``model.layers.0.mlp``), the checkpoint its own tensors
+#: (``model.layers.0.block_sparse_moe``). transformers 5's conversion mappings rename
+#: ``.block_sparse_moe.`` to ``.mlp.`` for Mixtral-style checkpoints.
+CONTAINER_ALIASES = {"mlp": ("block_sparse_moe",), "block_sparse_moe": ("mlp",)}
+
+
 def resolve_block(name: str, blocks: Iterable[str], *, what: str = "plan layer") -> str:
-    """Checkpoint prefix for a module path: exact, else same ``layers.{L}.{container}``."""
+    """Checkpoint prefix for a module path: exact, else same ``layers.{L}.{container}``
+    (the container may be its transformers alias, see :data:`CONTAINER_ALIASES`)."""
     blocks = list(blocks)
     if name in blocks:
         return name
@@ -69,6 +77,9 @@ def resolve_block(name: str, blocks: Iterable[str], *, what: str = "plan layer")
             f"{preview(blocks)}"
         )
     matches = [b for b in blocks if _layer_key(b) == key]
+    if not matches:
+        aliases = {(key[0], alias) for alias in CONTAINER_ALIASES.get(key[1], ())}
+        matches = [b for b in blocks if _layer_key(b) in aliases]
     if not matches:
         raise CheckpointError(
             f"{what} {name!r}: no MoE block of the checkpoint is layer {key[0]} "
