@@ -240,6 +240,14 @@ def test_results_match_the_files_on_disk(demo_run):
     for part, lang in (("en1", "en"), ("en2", "en"), ("zh", "zh"), ("code", "code")):
         assert s[part].source_tokens() == {lang: runs[part]["tokens"]} and runs[part]["tokens"] >= 512
     assert s["B"].source_tokens() == {"en": runs["en1"]["tokens"] + runs["en2"]["tokens"]}
+    # every run calibrated on packed MXFP4 experts; en1 again on the decompressed model: same statistics
+    assert all(r["dequantize"] == "layer" and r["dequantized_modules"] > 0 for r in runs.values())
+    check = res["calibration"]["packed_check"]
+    dense = ExpertScores.load(out / "scores" / "en1.dense-check.safetensors")
+    assert check["equal"] and check["max_rel"] <= 1e-6 and dense.source_tokens() == s["en1"].source_tokens()
+    for layer, stats in dense.layers.items():
+        for name, value in stats.items():
+            torch.testing.assert_close(s["en1"].layers[layer][name], value, rtol=1e-6, atol=0)
     assert set(s["D"].source_tokens()) == {"en", "zh", "code"}
     merged = s["en1"].merge(s["en2"]).merge(s["zh"])
     for layer in s["C"].layer_names:

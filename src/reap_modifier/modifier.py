@@ -22,6 +22,7 @@ from llmcompressor.modifiers.factory import ModifierFactory
 from . import compat
 from .calibration import distributed
 from .calibration.observer import SaliencyObserver
+from .calibration.packed import PackedCompute, check_module_formats, compressed_modules
 from .checkpoint.compressed_save import compressed_source, route_save_through_rewriter
 from .checkpoint.manifest import build_manifest, tool_versions
 from .fileio import sha256_file, write_json_atomic
@@ -65,6 +66,12 @@ class REAPPruningModifier(Modifier):
     :param scores_in: cut from a precomputed scores file instead of calibrating
     :param plan_in: apply a precomputed plan (``reap cut`` output) instead of calibrating
     :param seed: seed of the ``random`` baseline
+    :param dequantize: for a model whose experts are compressed-tensors packed
+        (MXFP4 ...): ``layer`` (default) keeps them packed and dequantizes one MoE
+        layer's experts at a time while it is computed, ``expert`` one expert
+        projection per call (least memory), ``model`` decompresses the whole model
+        before calibration (the dense model's memory). Other modifiers in the recipe
+        imply ``model``.
 
     The calibration-free baselines ``router_l1`` (compressed-tensors'
     MagnitudeExpertPruner criterion), ``router_signed_sum`` and ``random`` rank experts
@@ -94,6 +101,7 @@ class REAPPruningModifier(Modifier):
     scores_in: Optional[str] = None
     plan_in: Optional[str] = None
     seed: int = 0
+    dequantize: Literal["layer", "expert", "model"] = "layer"
 
     _arch: MoEArchitecture | None = PrivateAttr(default=None)
     _keep: KeepCount | None = PrivateAttr(default=None)
@@ -102,6 +110,7 @@ class REAPPruningModifier(Modifier):
     _scores: ExpertScores | None = PrivateAttr(default=None)
     _cpu_group: object | None = PrivateAttr(default=None)
     _calibrate_all: bool | None = PrivateAttr(default=None)
+    _packed: PackedCompute | None = PrivateAttr(default=None)
 
     # -- validation (before any model work) -----------------------------------------
 
@@ -183,7 +192,7 @@ class REAPPruningModifier(Modifier):
     # -- lifecycle -------------------------------------------------------------------
 
     def on_initialize(self, state: State, **kwargs) -> bool:
-        compat.decompress_loaded_model(state.model)
+        self._prepare_weights(state.model)
         self._arch = find_moe_architecture(state.model, self.ignore)
         arch = self._arch
         self._cpu_group = distributed.make_cpu_group()
@@ -221,6 +230,41 @@ class REAPPruningModifier(Modifier):
             self._observer = SaliencyObserver(arch, self.register_hook, model=state.model)
         return True
 
+    def _prepare_weights(self, model: torch.nn.Module) -> None:
+        """Packed experts: keep them packed (calibration dequantizes one layer or
+        expert at a time) or decompress the whole model, before anything else."""
+        packed = compressed_modules(model)
+        if not packed:
+            return
+        check_module_formats(packed)  # a format nothing can compute: refuse now
+        others = self._other_modifiers()
+        if self.dequantize == "model" or others:
+            why = (
+                f"the recipe also runs {', '.join(others)}" if others else "dequantize: model"
+            )
+            logger.info(f"REAP: decompressing the whole model before calibration ({why})")
+            compat.decompress_loaded_model(model)
+            return
+        if not self.calibrates:
+            logger.info("REAP: pruning without calibration: compressed experts stay packed")
+            return
+        self._packed = PackedCompute(model, self.dequantize)
+        self._packed.attach()
+
+    def _other_modifiers(self) -> list[str]:
+        from llmcompressor.core import active_session
+
+        recipe = active_session().lifecycle.recipe
+        return [
+            type(m).__name__
+            for m in (recipe.modifiers if recipe is not None else [])
+            if not isinstance(m, REAPPruningModifier)
+        ]
+
+    def _release_packed(self) -> None:
+        if self._packed is not None:
+            self._packed.detach()
+
     def _make_output_dirs(self) -> None:
         for path in (self.report_path, self.scores_path, self.manifest_path):
             if path is not None:
@@ -241,6 +285,7 @@ class REAPPruningModifier(Modifier):
         self.remove_hooks()
         if self._observer is not None:
             self._observer.detach()
+        self._release_packed()
         if self._plan is None and self._observer is not None:
             self._decide_and_prune(state.model)
 
@@ -248,6 +293,7 @@ class REAPPruningModifier(Modifier):
         self.remove_hooks()
         if self._observer is not None:
             self._observer.detach()
+        self._release_packed()
         if self._plan is None:
             self._decide_and_prune(state.model)
         self._choose_save_path(state.model)
@@ -381,14 +427,7 @@ class REAPPruningModifier(Modifier):
         regular save (with linearized experts repacked so every family reloads)."""
         source = compressed_source(model)
         if source is not None and self._plan is not None:
-            from llmcompressor.core import active_session
-
-            recipe = active_session().lifecycle.recipe
-            others = [
-                type(m).__name__
-                for m in (recipe.modifiers if recipe is not None else [])
-                if not isinstance(m, REAPPruningModifier)
-            ]
+            others = self._other_modifiers()
             if route_save_through_rewriter(model, self._plan, source, other_modifiers=others):
                 return
         compat.repack_linearized_experts(model)
@@ -435,6 +474,11 @@ class REAPPruningModifier(Modifier):
     @property
     def architecture(self) -> MoEArchitecture | None:
         return self._arch
+
+    @property
+    def packed(self) -> PackedCompute | None:
+        """The packed-experts overlay of the last calibration (its ``stats``), if one ran."""
+        return self._packed
 
 
 def _register() -> None:

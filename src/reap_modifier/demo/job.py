@@ -53,25 +53,49 @@ def calibration_sets(records: dict[str, list], tokenizer, cfg: DemoConfig) -> di
     return out
 
 
-def calibrate(model_dir: str, part: str, lang: str, dataset, tokenizer, scores_path: Path, cfg: DemoConfig) -> dict:
-    """REAP calibration of one part through ``oneshot``; only the scores file is kept."""
+def calibrate(model_dir: str, part: str, lang: str, dataset, tokenizer, scores_path: Path, cfg: DemoConfig,
+              dequantize: str = "layer") -> dict:
+    """REAP calibration of one part through ``oneshot``; only the scores file is kept. The model is
+    loaded with its MXFP4 experts packed and calibrated one MoE layer dense at a time
+    (``dequantize="layer"``), or fully decompressed (``dequantize="model"``, the dense path)."""
     from llmcompressor import oneshot
 
     from ..modifier import REAPPruningModifier
 
-    model = load_model(model_dir)
+    model = load_model(model_dir, packed=dequantize != "model")
     modifier = REAPPruningModifier(sparsity=cfg.sparsity, saliency="reap", scores_path=str(scores_path),
-                                   calibration_source=lang, seed=cfg.seed)
+                                   calibration_source=lang, seed=cfg.seed, dequantize=dequantize)
     t = time.time()
     oneshot(model=model, recipe=[modifier], processor=tokenizer, dataset=dataset,
             num_calibration_samples=len(dataset), moe_calibrate_all_experts=False)
     seconds = time.time() - t
     del model
     meta = json.loads(dataset.info.description or "{}")
+    packed = modifier.packed.stats if modifier.packed is not None else None
     return {"part": part, "source": lang, "rows": len(dataset),
             "tokens": int(sum(len(r) for r in dataset["input_ids"])),
             "source_tokens": meta.get("source_tokens", {}).get(lang, {}),
-            "scores": str(scores_path), "seconds": round(seconds, 2)}
+            "scores": str(scores_path), "seconds": round(seconds, 2), "dequantize": dequantize,
+            "dequantized_modules": packed.dequantized_modules if packed else None,
+            "peak_dense_expert_mib": round(packed.peak_dense_bytes / 2**20, 3) if packed else None}
+
+
+def check_packed_scores(model_dir: str, part: str, lang: str, dataset, tokenizer, packed_scores: Path,
+                        cfg: DemoConfig) -> dict:
+    """Calibrate ``part`` again on the fully decompressed model and compare every statistic with the
+    packed run's; raises when any differs by more than 1e-6 relative."""
+    from ..calibration.packed import scores_difference
+    from ..scores import ExpertScores
+
+    dense_path = packed_scores.with_name(f"{packed_scores.stem}.dense-check.safetensors")
+    run = calibrate(model_dir, part, lang, dataset, tokenizer, dense_path, cfg, dequantize="model")
+    diff = scores_difference(ExpertScores.load(packed_scores), ExpertScores.load(dense_path))
+    check = {"part": part, "dense_scores": str(dense_path), "dense_seconds": run["seconds"],
+             "tolerance": 1e-6, **diff, "equal": diff["max_rel"] <= 1e-6}
+    if not check["equal"]:
+        raise RuntimeError(f"packed calibration of {part} differs from the dense path by "
+                           f"{diff['max_rel']:.3g} relative ({diff['by_stat']})")
+    return check
 
 
 # ----------------------------------------------------------------------------- 3. prompts
@@ -152,6 +176,11 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | N
         for part, lang in tqdm(PARTS, desc="calibrate (oneshot per corpus)", unit="run", dynamic_ncols=True):
             calib_runs.append(calibrate(str(model_dir), part, lang, sets[part], tokenizer,
                                         scores_dir / f"{part}.safetensors", cfg))
+        part, lang = PARTS[0]  # the packed experts gave the dense path's scores (1e-6, every statistic)
+        packed_check = check_packed_scores(str(model_dir), part, lang, sets[part], tokenizer,
+                                           scores_dir / f"{part}.safetensors", cfg)
+        log(f"   packed vs dense calibration of {part}: every statistic within "
+            f"{packed_check['max_rel']:.1e} relative ({packed_check['statistics']:,} values)")
         parts = {p: ExpertScores.load(scores_dir / f"{p}.safetensors") for p, _ in PARTS}
         merged: dict[str, ExpertScores] = {}
         for label, names in RANKINGS.items():
@@ -286,7 +315,7 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | N
                   "num_experts": merged["D"].num_experts, "top_k": merged["D"].metadata.get("top_k"),
                   "moe_layers": merged["D"].layer_names, "model_class": merged["D"].metadata.get("model_class")},
         "data": {"dir": str(data_dir), "eval_paragraphs_per_source": eval_paragraphs},
-        "calibration": {"runs": calib_runs,
+        "calibration": {"runs": calib_runs, "packed_check": packed_check,
                         "rankings": {label: {"parts": list(names), "tokens": merged[label].source_tokens(),
                                              "scores": relative_to(scores_dir / f"{label}.safetensors", out)}
                                      for label, names in RANKINGS.items()}},

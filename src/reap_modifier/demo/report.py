@@ -131,6 +131,12 @@ def render_report(results: dict) -> str:
     for r in results["calibration"]["runs"]:
         src = ", ".join(f"{s} {tokens(n)}" for s, n in sorted(r["source_tokens"].items(), key=lambda kv: -kv[1]))
         lines.append(f"| {r['part']} | {r['source']} | {r['tokens']:,} | {r['rows']} | {src} | {r['seconds']:.1f} |")
+    pc = results["calibration"].get("packed_check")
+    if pc:
+        lines += ["", f"Every run kept the MXFP4 experts packed and dequantized one MoE layer at a time"
+                  f" (`dequantize: layer`). Check: part {pc['part']} calibrated again on the fully"
+                  f" decompressed model gives the same statistics to {pc['max_rel']:.1e} relative"
+                  f" ({pc['statistics']:,} values; tolerance {pc['tolerance']:g})."]
     lines += ["", "| ranking | = | tokens |", "|---|---|---|"]
     for label, r in results["calibration"]["rankings"].items():
         lines.append(f"| {label} | {' + '.join(r['parts'])} | "

@@ -87,11 +87,12 @@ def register_kimi() -> None:
     compat.register_kimi_auto_classes()
 
 
-def load_model(path: str | os.PathLike):
+def load_model(path: str | os.PathLike, *, packed: bool = False):
     """A checkpoint from its directory with transformers, bf16, eval mode. compressed-tensors
-    checkpoints (MXFP4 experts) are decompressed on load (``run_compressed=False``): the weights
-    are the exact MXFP4 values in bf16, the forward is the same as the compressed module's, and
-    llm-compressor's calibration pipeline can hook the plain Linear experts."""
+    checkpoints (MXFP4 experts) are decompressed on load (``dequantize=True``): the weights are the
+    exact MXFP4 values in bf16, the forward is the same as the compressed module's. With ``packed``
+    they stay packed (``weight_packed`` / ``weight_scale``): REAP calibration then dequantizes one MoE
+    layer at a time (:mod:`reap_modifier.calibration.packed`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -101,7 +102,7 @@ def load_model(path: str | os.PathLike):
     if (cfg.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
         from transformers.utils.quantization_config import CompressedTensorsConfig
 
-        kwargs["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+        kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=not packed)
     if _QUIET:  # transformers' and compressed-tensors' per-load progress bars
         import contextlib
         import io
