@@ -278,7 +278,8 @@ def main() -> None:
         print(f"\ntarget (layer): peak RSS {gib(peak).strip()} <= packed + one dense MoE layer + 1 GiB = "
               f"{gib(target).strip()} GiB: {'MET' if peak <= target else 'MISSED'}")
     if "model" in rows:
-        print(f"old path (model): peak RSS {rows['model']['peak_rss'] / rows.get('layer', rows['model'])['peak_rss']:.2f}x "
+        ratio = rows["model"]["peak_rss"] / rows.get("layer", rows["model"])["peak_rss"]
+        print(f"old path (model): peak RSS {ratio:.2f}x "
               "the packed mode's (oneshot loads with dequantize=True: everything dense before calibration)")
     print()
     for line in k3_extrapolation(args.ranks):

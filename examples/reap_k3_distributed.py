@@ -5,8 +5,8 @@
         --recipe recipes/reap_keep_448.yaml --out /models/Kimi-K3-REAP-448
 
 Each rank loads its own disjoint slice of the calibration set; the model is loaded
-once with compressed-tensors' offloading and onloaded layer by layer by the
-sequential pipeline. Statistics are all-reduced before the decision; rank 0 writes the
+once with compressed-tensors' offloading, its MXFP4 experts packed, and onloaded layer
+by layer by the sequential pipeline, where REAP dequantizes one MoE layer at a time. Statistics are all-reduced before the decision; rank 0 writes the
 scores file, the manifest and the checkpoint. Works on CPU too (gloo), as the tests do.
 """
 

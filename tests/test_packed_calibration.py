@@ -193,7 +193,8 @@ def test_checkpoint_format_without_decompressor_is_refused_before_loading(checkp
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_load)
-    with pytest.raises(PackedFormatError, match=r"'marlin-24'.*config group group_0.*Fallback: calibrate a dense"):
+    expected = r"'marlin-24'.*config group group_0.*Fallback: calibrate a dense"
+    with pytest.raises(PackedFormatError, match=expected):
         run_reap(str(src), tokenizer, data, scores_path=str(tmp_path / "s.safetensors"))
     assert not (tmp_path / "s.safetensors").exists()
 
@@ -216,7 +217,8 @@ def test_module_format_without_decompressor_is_refused_before_calibration(checkp
 
 
 def test_recipe_detection():
-    other = "quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n      targets: [Linear]\n      scheme: W8A8\n"
+    other = ("quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n"
+             "      targets: [Linear]\n      scheme: W8A8\n")
     reap = "reap_stage:\n  reap_modifiers:\n    REAPPruningModifier:\n      sparsity: 0.5\n"
     assert recipe_keeps_experts_packed([REAPPruningModifier(sparsity=0.5)])
     assert recipe_keeps_experts_packed(REAPPruningModifier(sparsity=0.5, dequantize="expert"))

@@ -192,7 +192,7 @@ class REAPPruningModifier(Modifier):
     # -- lifecycle -------------------------------------------------------------------
 
     def on_initialize(self, state: State, **kwargs) -> bool:
-        self._prepare_weights(state.model)
+        # structure only: works on packed (compressed-tensors) experts
         self._arch = find_moe_architecture(state.model, self.ignore)
         arch = self._arch
         self._cpu_group = distributed.make_cpu_group()
@@ -203,6 +203,7 @@ class REAPPruningModifier(Modifier):
             except PlanError as exc:
                 raise PlanError(f"plan_in {self.plan_in}: {exc}") from exc
             logger.info(f"REAP: applying plan {self.plan_in} ({plan.num_kept} experts per layer)")
+            self._prepare_weights(state.model)
             self._make_output_dirs()  # only once the plan is known to fit
             self._apply(state.model, plan)
             return True
@@ -221,6 +222,7 @@ class REAPPruningModifier(Modifier):
             f"per layer by {self.saliency!r}"
         )
         scores_in = self._load_scores_in() if self.scores_in is not None else None
+        self._prepare_weights(state.model)  # the request is valid: keep packed or decompress
         self._make_output_dirs()  # only once the request is known to be valid
         if scores_in is not None:
             self._cut_from_file(state.model, scores_in)
@@ -231,8 +233,12 @@ class REAPPruningModifier(Modifier):
         return True
 
     def _prepare_weights(self, model: torch.nn.Module) -> None:
-        """Packed experts: keep them packed (calibration dequantizes one layer or
-        expert at a time) or decompress the whole model, before anything else."""
+        """Compressed-tensors experts: keep them packed (calibration dequantizes one
+        MoE layer or expert at a time) or decompress the whole model (``dequantize:
+        model``, or another modifier in the recipe), before any pruning or calibration.
+
+        :raises PackedFormatError: a compressed module's format has no decompressor
+        """
         packed = compressed_modules(model)
         if not packed:
             return
