@@ -54,6 +54,7 @@ Granularity = Literal["layer", "expert"]
 #: ``gate_proj/up_proj/down_proj``); the unit is the ``experts`` container
 _EXPERT_NAME = re.compile(r"^(?P<container>.+\.experts)\.\d+(\..+)?$")
 
+
 def _fallback(formats: list[str]) -> str:
     names = ", ".join(repr(f) for f in formats)
     return (
@@ -115,7 +116,8 @@ def _refuse(bad: dict[str, list[str]], where: str) -> None:
     if not bad:
         return
     parts = [
-        f"{fmt!r} ({len(names)} modules, e.g. {names[0]})" for fmt, names in sorted(bad.items())
+        f"{fmt!r} (in {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + ")"
+        for fmt, names in sorted(bad.items())
     ]
     from compressed_tensors import __version__ as ct_version
 
