@@ -2,9 +2,14 @@
 # Install what the tests need, then run the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# vLLM goes into its own venv (./.venv-vllm; skipped when already installed). It installs in
+# the background while ./.venv is set up and the suite runs; the vLLM tests, which run last,
+# wait for it and fail (rather than skip) when it is missing.
+mkdir -p build
+status="$PWD/build/vllm-venv.rc"
+rm -f "$status"
+( rc=0; bash scripts/vllm_venv.sh > build/vllm-venv.log 2>&1 || rc=$?; echo "$rc" > "$status" ) &
 bash scripts/bootstrap.sh
-# vLLM in its own venv (./.venv-vllm; skipped when already installed): the vLLM tests
-# drive it from this suite and fail, rather than skip, when it is missing
-bash scripts/vllm_venv.sh
 export REAP_VLLM_PYTHON="${REAP_VLLM_PYTHON:-$PWD/.venv-vllm/bin/python}" REAP_REQUIRE_VLLM=1
+export REAP_VLLM_INSTALL_STATUS="$status"
 exec .venv/bin/python -m pytest -q "$@"

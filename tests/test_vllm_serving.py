@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,8 +70,28 @@ KEPT = {
 }
 
 
+def _wait_for_background_install() -> None:
+    """``scripts/test.sh`` installs vLLM's venv in the background while the rest of the
+    suite runs and names a status file that holds the installer's exit code when done."""
+    status = os.environ.get("REAP_VLLM_INSTALL_STATUS")
+    if not status:
+        return
+    status = Path(status)
+    deadline = time.monotonic() + float(os.environ.get("REAP_VLLM_INSTALL_WAIT_S", "1200"))
+    while not status.exists():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the background vLLM install did not finish; see {status.with_suffix('.log')}")
+        time.sleep(2)
+    rc = status.read_text().strip()
+    if rc != "0":
+        log = status.with_suffix(".log")
+        tail = log.read_text()[-3000:] if log.exists() else ""
+        pytest.fail(f"scripts/vllm_venv.sh failed (exit {rc}); {log}:\n{tail}")
+
+
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
+    _wait_for_background_install()
     py = os.environ.get("REAP_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
     if not Path(py).exists():
         msg = f"no vLLM Python at {py}: run `bash scripts/vllm_venv.sh`"

@@ -1,0 +1,111 @@
+"""Saving workarounds: expert counts in the saved config.json, linearized experts packed
+back into each family's native module, the GPT-OSS repack."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from loguru import logger
+
+from ..fileio import write_json_atomic
+from ..models.config_keys import COUNT_KEYS
+
+__all__ = ["fix_saved_expert_counts", "patch_gpt_oss_repack", "patch_resave_config", "repack_linearized_experts"]
+
+
+def fix_saved_expert_counts(config, save_dir: str) -> None:
+    """Make ``save_dir/config.json`` carry the model's current expert count.
+
+    Why: llm-compressor 0.14.0.1 ``resave_config`` rewrites config.json from the
+    *original* checkpoint's config and patches only ``num_experts``,
+    ``num_local_experts`` and ``moe_num_experts``; DeepSeek-V3 / GLM4-MoE keep the old
+    ``n_routed_experts`` and the pruned checkpoint cannot load. We patch every count
+    key that is present (top level and nested ``text_config``) from the live config.
+    """
+    path = os.path.join(save_dir, "config.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        saved = json.load(f)
+    live = config.to_dict()
+    changed = False
+    for section_saved, section_live in (
+        (saved, live),
+        (saved.get("text_config"), live.get("text_config")),
+    ):
+        if not isinstance(section_saved, dict) or not isinstance(section_live, dict):
+            continue
+        for key in COUNT_KEYS:
+            if key in section_saved and key in section_live:
+                if section_saved[key] != section_live[key]:
+                    section_saved[key] = section_live[key]
+                    changed = True
+    if changed:
+        write_json_atomic(path, saved, indent=2, sort_keys=True)
+        logger.info(f"REAP: patched expert counts in {path} (upstream resave_config gap)")
+
+
+def patch_resave_config() -> None:
+    from llmcompressor.transformers.compression import compressed_tensors_utils as ctu
+
+    original = ctu.resave_config
+    if getattr(original, "_reap_patched", False):
+        return
+
+    def resave_config(config, save_dir):
+        original(config, save_dir)
+        fix_saved_expert_counts(config, save_dir)
+
+    resave_config._reap_patched = True
+    ctu.resave_config = resave_config
+
+
+def repack_linearized_experts(model) -> int:
+    """Pack experts that llm-compressor linearized *after loading* back into the
+    model's native fused experts module; returns how many were repacked.
+
+    Why: ``oneshot`` linearizes fused MoE experts post-load (``LinearExperts2D``) and
+    saves them under ``experts.{e}.gate_proj/up_proj/down_proj`` names. That happens
+    to be the checkpoint format of Qwen3-MoE / OLMoE / DeepSeek-V3 / GLM4-MoE, but not
+    of Mixtral (``w1/w2/w3``) or GPT-OSS (fused): transformers then loads those
+    experts as random weights. Repacking lets transformers' own save conversion
+    write each family's native names. Quantized experts are left alone: their
+    compressed-tensors format is per-expert 2-D by design.
+    """
+    from llmcompressor.modeling.moe.linearize import get_linearized_moes
+
+    repacked = 0
+    for name, experts in get_linearized_moes(model):
+        if getattr(experts, "_source_experts_cls", None) is None:
+            continue  # loaded linearized through conversion mappings: saves correctly
+        if any(hasattr(m, "quantization_scheme") for m in experts.modules()):
+            continue
+        model.set_submodule(name, experts.to_experts_module())
+        repacked += 1
+    if repacked:
+        logger.info(f"REAP: repacked {repacked} linearized experts modules for saving")
+    return repacked
+
+
+def patch_gpt_oss_repack() -> None:
+    """Why: llm-compressor 0.14.0.1 ``GptOssExpertMLP`` de-interleaves GPT-OSS's fused
+    ``gate_up_proj`` (gate = even columns, up = odd) on linearization but inherits the
+    generic *halves* layout for the inverse, so a repacked GPT-OSS model computes
+    garbage. Install the matching inverse.
+    """
+    from llmcompressor.modeling.moe.gpt_oss import GptOssExpertMLP
+
+    if getattr(GptOssExpertMLP.copy_to_experts_module, "_reap_patched", False):
+        return
+
+    def copy_to_experts_module(self, experts, index: int) -> None:
+        experts.gate_up_proj[index, :, 0::2].copy_(self.gate_proj.weight.T)
+        experts.gate_up_proj[index, :, 1::2].copy_(self.up_proj.weight.T)
+        experts.down_proj[index].copy_(self.down_proj.weight.T)
+        experts.gate_up_proj_bias[index, 0::2].copy_(self.gate_proj.bias)
+        experts.gate_up_proj_bias[index, 1::2].copy_(self.up_proj.bias)
+        experts.down_proj_bias[index].copy_(self.down_proj.bias)
+
+    copy_to_experts_module._reap_patched = True
+    GptOssExpertMLP.copy_to_experts_module = copy_to_experts_module
