@@ -388,12 +388,14 @@ def build(data_dir: Path, *, force: bool = False, chunk_size: int = 8, modulus: 
     for lang in LANGS:
         for s in SPLITS:
             tmp[lang][s].replace(data_dir / lang / f"{s}.jsonl")
-    write_readme(data_dir, stats, chunk_size, modulus, time.time() - t0)
+    write_readme(data_dir, stats, chunk_size, modulus, time.time() - t0, pkgs)
     print(f"built corpora in {time.time() - t0:.0f} s -> {data_dir}")
     return True
 
 
-def write_readme(data_dir: Path, stats, chunk_size: int, modulus: int, seconds: float) -> None:
+def write_readme(data_dir: Path, stats, chunk_size: int, modulus: int, seconds: float,
+                 pkgs: dict[str, Path]) -> None:
+    import hashlib
     import platform
 
     lines = [
@@ -428,6 +430,14 @@ def write_readme(data_dir: Path, stats, chunk_size: int, modulus: int, seconds: 
     lines.append("|---|---:|---:|---:|")
     for lang in LANGS:
         lines.append(f"| {lang} | " + " | ".join(f"{tot[lang][s][2] / 1e6:.2f}" for s in SPLITS) + " |")
+    # Debian stable's point and security updates replace package versions in place (the archive
+    # keeps only the newest), so a rebuild can differ; these lines say which text this build holds
+    lines += ["", "Debian packages (the archive serves only the newest version of each):", ""]
+    lines += [f"- `{(root / '.done').read_text().strip()}`" for _, root in sorted(pkgs.items())]
+    lines += ["", "sha256 of each split file:", ""]
+    for path in outputs(data_dir)[:-1]:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        lines.append(f"- `{path.relative_to(data_dir).as_posix()}` {digest}")
     lines += ["", f"Build time: {seconds:.0f} s.", ""]
     (data_dir / "README").write_text("\n".join(lines), encoding="utf-8")
 

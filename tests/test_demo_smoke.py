@@ -284,16 +284,15 @@ def test_results_match_the_files_on_disk(demo_run):
 def test_held_out_nll_recomputes(demo_run):
     """The unpruned and the REAP(en) checkpoint's NLL, recomputed here with data.mean_nll on the
     same held-out windows, are the JSON's."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from reap_modifier import compat
+    from reap_modifier.demo.workspace import load_model
 
-    compat.register_kimi_auto_classes()
     out, res = demo_run["out"], demo_run["results"]
     cfg = res["config"]
     tok = AutoTokenizer.from_pretrained(str(demo_run["model"]))
     for name, path in (("unpruned", demo_run["model"]), ("reap_en", out / "pruned" / "reap_en")):
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+        model = load_model(path, dtype=cfg["dtype"])  # decompressed, then cast as the job does
         for lang in LANGS:
             w = D.eval_windows(D.load_split(demo_run["data"], lang, "eval"), tok, cfg["eval_windows"],
                                seq_len=cfg["eval_seq_len"], seed=cfg["eval_seed"])

@@ -108,6 +108,24 @@ def test_from_pretrained_model_stays_packed(checkpoints, tokenizer, data):
     assert_same_scores(modifier.scores, dense_reference("kimi_k3", checkpoints, tokenizer, data).scores)
 
 
+def test_model_cast_to_float32_calibrates_packed(checkpoints, tokenizer, data):
+    """A packed model cast to float32 after loading (compressed-tensors dequantizes to bf16
+    whatever the model's dtype) computes its experts in float32: the scores equal those of the
+    decompressed model cast the same way, and everything stays packed."""
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    path, cls = checkpoints["kimi_k3"].path, reload_class("kimi_k3")
+    dense = cls.from_pretrained(path, quantization_config=CompressedTensorsConfig(dequantize=True))
+    ref, _ = run_reap(dense.to(torch.float32), tokenizer, data, dequantize="model")
+    packed = cls.from_pretrained(path).to(torch.float32)
+    assert packed.get_input_embeddings().weight.dtype == torch.float32
+    modifier, out = run_reap(packed, tokenizer, data)
+    assert still_packed(out)
+    assert {m.weight_packed.dtype for m in expert_linears(out)} == {torch.uint8}
+    assert_same_scores(modifier.scores, ref.scores)
+    assert modifier.plan.kept == ref.plan.kept
+
+
 def test_disk_offloaded_packed_model(checkpoints, tokenizer, data, tmp_path):
     """compressed-tensors disk offload + sequential pipeline: experts read packed from the
     offload folder, no dense expert weight written there, same scores."""

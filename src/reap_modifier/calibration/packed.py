@@ -182,6 +182,11 @@ class PackedStats:
     peak_dense_bytes: int = 0
 
 
+def _dtype(args: tuple) -> torch.dtype | None:
+    """The dtype a linear is called with (its first positional input)."""
+    return args[0].dtype if args and isinstance(args[0], torch.Tensor) else None
+
+
 class PackedCompute:
     """Forward passes on a packed compressed-tensors model, one MoE layer (or one expert)
     dense at a time. See the module docstring.
@@ -217,6 +222,9 @@ class PackedCompute:
         self._handles: list = []
         self._resume_decompress = None
         self.attached = False
+        embed = getattr(model, "get_input_embeddings", lambda: None)()
+        #: dtype of dense weights dequantized outside a forward call (resident modules)
+        self._compute_dtype: torch.dtype | None = getattr(getattr(embed, "weight", None), "dtype", None)
 
     @property
     def num_expert_modules(self) -> int:
@@ -235,13 +243,18 @@ class PackedCompute:
     # -- dense weights ----------------------------------------------------------------
 
     @torch.no_grad()
-    def _materialise(self, module: nn.Module, *, expert: bool = True) -> None:
+    def _materialise(self, module: nn.Module, *, expert: bool = True, dtype: torch.dtype | None = None) -> None:
         if module in self._dense:
             return
         from compressed_tensors.utils import get_direct_state_dict
 
         scheme = module.quantization_scheme
         dense = self._compressor[module].decompress(get_direct_state_dict(module), scheme)["weight"]
+        # compressed-tensors dequantizes to bf16 whatever the model's dtype; a model cast to
+        # float32 after loading calls its linears with float32 inputs (values are exact either way)
+        dtype = dtype or self._compute_dtype
+        if dtype is not None and dtype.is_floating_point and dense.dtype != dtype:
+            dense = dense.to(dtype)
         # a plain attribute, not a Parameter: offload caches and state dicts never see it
         object.__setattr__(module, "weight", dense)
         nbytes = dense.numel() * dense.element_size()
@@ -266,7 +279,7 @@ class PackedCompute:
         for module in [m for m in self._dense if m in self._layer_of]:
             self._release(module)
 
-    def _before_expert(self, module: nn.Module) -> None:
+    def _before_expert(self, module: nn.Module, dtype: torch.dtype | None = None) -> None:
         """``layer``: an expert of another MoE layer drops the current layer's dense
         weights; each expert is dequantized on its first call in its layer and kept
         until then (so experts that get no tokens are never dequantized)."""
@@ -275,7 +288,7 @@ class PackedCompute:
             self._release_experts()
             self._current = layer
             self.stats.layers_entered += 1
-        self._materialise(module)
+        self._materialise(module, dtype=dtype)
 
     # -- hooks ------------------------------------------------------------------------
 
@@ -289,10 +302,10 @@ class PackedCompute:
             self._materialise(module, expert=False)
         for module in self._layer_of:
             if self.granularity == "layer":
-                pre = module.register_forward_pre_hook(lambda mod, args: self._before_expert(mod))
+                pre = module.register_forward_pre_hook(lambda mod, args: self._before_expert(mod, _dtype(args)))
                 self._handles.append(pre)
             else:
-                pre = module.register_forward_pre_hook(lambda mod, args: self._materialise(mod))
+                pre = module.register_forward_pre_hook(lambda mod, args: self._materialise(mod, dtype=_dtype(args)))
                 post = module.register_forward_hook(lambda mod, args, out: self._release(mod))
                 self._handles += [pre, post]
         self.attached = True

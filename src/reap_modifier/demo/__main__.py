@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=DemoConfig.prompts_per_lang, help="per language")
     ap.add_argument("--seed", type=int, default=DemoConfig.seed)
     ap.add_argument("--threads", type=int, default=DemoConfig.threads)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=DemoConfig.dtype,
+                    help="compute dtype (weights are exact in float32; bf16 is slow on CPUs without AVX-512 BF16)")
     ap.add_argument("--verbose", action="store_true", help="keep library logging")
     ap.add_argument("--tables", metavar="RESULTS_JSON", default=None,
                     help="only print the summary tables of an earlier run's results.json (for the README)")
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = None if str(a.extra_sparsity).lower() in ("none", "") else float(a.extra_sparsity)
     cfg = DemoConfig(model=a.model, out=a.out, data_dir=a.data_dir, sparsity=a.sparsity, extra_sparsity=extra,
                      tokens_per_part=a.tokens_per_part, eval_windows=a.eval_windows, gen_tokens=a.gen_tokens,
-                     prompts_per_lang=a.prompts, seed=a.seed, threads=a.threads, quick=a.quick)
+                     prompts_per_lang=a.prompts, seed=a.seed, threads=a.threads, dtype=a.dtype,
+                     quick=a.quick)
     run(cfg, command="python -m reap_modifier.demo" + "".join(f" {x}" for x in (argv if argv is not None else sys.argv[1:])))
     return 0
 

@@ -62,7 +62,7 @@ def calibrate(model_dir: str, part: str, lang: str, dataset, tokenizer, scores_p
 
     from ..modifier import REAPPruningModifier
 
-    model = load_model(model_dir, packed=dequantize != "model")
+    model = load_model(model_dir, packed=dequantize != "model", dtype=cfg.dtype)
     modifier = REAPPruningModifier(sparsity=cfg.sparsity, saliency="reap", scores_path=str(scores_path),
                                    calibration_source=lang, seed=cfg.seed, dequantize=dequantize)
     t = time.time()
@@ -250,10 +250,10 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | N
     quality: dict[str, dict[str, dict]] = {}
     generations: dict[str, list[dict]] = {}
     with clock.stage("evaluate", log):
-        models = {REFERENCE: load_model(model_dir)}
+        models = {REFERENCE: load_model(model_dir, dtype=cfg.dtype)}
         for name in pruning:
-            models[name] = load_model(pruned_dir / name)
-        models[ABLATION] = load_model(model_dir)
+            models[name] = load_model(pruned_dir / name, dtype=cfg.dtype)
+        models[ABLATION] = load_model(model_dir, dtype=cfg.dtype)
         zero_routed_experts(models[ABLATION])
         total = sum(int(w.shape[0]) for w in windows.values()) * len(models)
         with tqdm(total=total, desc="evaluate (windows x models)", unit="win", dynamic_ncols=True) as bar:

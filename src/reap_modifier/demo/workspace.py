@@ -87,12 +87,16 @@ def register_kimi() -> None:
     compat.register_kimi_auto_classes()
 
 
-def load_model(path: str | os.PathLike, *, packed: bool = False):
-    """A checkpoint from its directory with transformers, bf16, eval mode. compressed-tensors
-    checkpoints (MXFP4 experts) are decompressed on load (``dequantize=True``): the weights are the
-    exact MXFP4 values in bf16, the forward is the same as the compressed module's. With ``packed``
-    they stay packed (``weight_packed`` / ``weight_scale``): REAP calibration then dequantizes one MoE
-    layer at a time (:mod:`reap_modifier.calibration.packed`)."""
+def load_model(path: str | os.PathLike, *, packed: bool = False, dtype: str = "bfloat16"):
+    """A checkpoint from its directory with transformers, eval mode, floating weights in ``dtype``.
+    compressed-tensors checkpoints (MXFP4 experts) are decompressed on load (``dequantize=True``): the
+    weights are the exact MXFP4 values, the forward is the same as the compressed module's. With
+    ``packed`` they stay packed (``weight_packed`` / ``weight_scale``): REAP calibration then
+    dequantizes one MoE layer at a time (:mod:`reap_modifier.calibration.packed`), in the dtype
+    the experts are called with.
+
+    The model is loaded in bf16 and cast afterwards: compressed-tensors 0.19 decompresses to bf16
+    whatever ``from_pretrained``'s dtype, so a float32 load leaves bf16 experts in a float32 model."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -108,8 +112,10 @@ def load_model(path: str | os.PathLike, *, packed: bool = False):
         import io
 
         with contextlib.redirect_stderr(io.StringIO()):
-            return AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
-    return AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+    return model.to(getattr(torch, dtype))  # floating tensors only: packed uint8 stays as stored
 
 
 def relative_to(path: Path, root: Path) -> str:
