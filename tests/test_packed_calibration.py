@@ -126,6 +126,30 @@ def test_model_cast_to_float32_calibrates_packed(checkpoints, tokenizer, data):
     assert modifier.plan.kept == ref.plan.kept
 
 
+def test_checkpoint_loads_in_float32(checkpoints):
+    """``load_checkpoint_model`` (the main job's and the vLLM check's loader) gives an MXFP4
+    checkpoint in float32 with float32 experts: a plain ``from_pretrained(dtype=float32)``
+    fails on its first forward (compressed-tensors dequantizes to bf16). Its logits are the
+    bf16-loaded model's computed in float32; ``packed`` keeps the bytes."""
+    from reap_modifier.compat import load_checkpoint_model
+    from reap_modifier.serving.reference import load_reference_model
+
+    path = checkpoints["kimi_k3"].path
+    ids = sample_input_ids(128, batch=1, seq=12, seed=3)
+    model = load_checkpoint_model(path, dtype="float32")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    bf16 = load_checkpoint_model(path, dtype="bfloat16")
+    assert {m.weight.dtype for m in expert_linears(bf16)} == {torch.bfloat16}
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+        want = bf16.to(torch.float32)(input_ids=ids).logits
+        torch.testing.assert_close(load_reference_model(path, "float32")(input_ids=ids).logits, got,
+                                   rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    packed = load_checkpoint_model(path, dtype="float32", packed=True)
+    assert still_packed(packed) and packed.get_input_embeddings().weight.dtype == torch.float32
+
+
 def test_disk_offloaded_packed_model(checkpoints, tokenizer, data, tmp_path):
     """compressed-tensors disk offload + sequential pipeline: experts read packed from the
     offload folder, no dense expert weight written there, same scores."""

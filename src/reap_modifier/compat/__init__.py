@@ -24,6 +24,7 @@ from .data_parallel import RankShareSampler, patch_rank_partition
 from .loading import (
     decompress_loaded_model,
     drop_broken_lazy_aliases,
+    load_checkpoint_model,
     load_packed_model,
     patch_oneshot_packed_load,
     pause_decompress_hook,
@@ -50,6 +51,7 @@ __all__ = [
     "decompress_loaded_model",
     "fix_saved_expert_counts",
     "install",
+    "load_checkpoint_model",
     "load_packed_model",
     "pause_decompress_hook",
     "rebuild_traced_config",

@@ -9,12 +9,14 @@ import contextvars
 import json
 import os
 import sys
+from pathlib import Path
 
 from loguru import logger
 
 __all__ = [
     "decompress_loaded_model",
     "drop_broken_lazy_aliases",
+    "load_checkpoint_model",
     "load_packed_model",
     "patch_oneshot_packed_load",
     "pause_decompress_hook",
@@ -66,6 +68,36 @@ def register_kimi_auto_classes() -> None:
             auto.register(KimiK3Config, KimiK3ForConditionalGeneration, exist_ok=True)
         except ValueError:
             pass
+
+
+def load_checkpoint_model(path: str | os.PathLike, *, dtype: str = "auto", packed: bool = False):
+    """A checkpoint directory through transformers' ``AutoModelForCausalLM`` (Kimi K3 via
+    llm-compressor's class), eval mode, floating weights in ``dtype`` (``"auto"``: the
+    config's). compressed-tensors checkpoints are decompressed on load, or with ``packed``
+    keep ``weight_packed`` / ``weight_scale`` as stored.
+
+    Why: compressed-tensors 0.19 dequantizes to bf16 whatever ``from_pretrained``'s dtype,
+    so a float32 load leaves bf16 experts in a float32 model, whose first forward fails.
+    A compressed checkpoint is therefore loaded in bf16 and then cast; ``Module.to(dtype)``
+    casts floating tensors only, so packed uint8 stays as stored.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    if cfg.get("model_type") == "kimi_k3":
+        register_kimi_auto_classes()
+    target = "auto" if dtype == "auto" else getattr(torch, dtype)
+    if (cfg.get("quantization_config") or {}).get("quant_method") != "compressed-tensors":
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=target).eval()
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=not packed)
+    ).eval()
+    if target == "auto":
+        target = getattr(torch, cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+    return model.to(target)
 
 
 def decompress_loaded_model(model) -> bool:

@@ -3,7 +3,6 @@ model, building the corpora when missing, the MXFP4 source checkpoint, the outpu
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shutil
@@ -12,7 +11,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from .config import REPO
 
@@ -81,41 +80,22 @@ def environment_versions() -> dict:
     return out
 
 
-def register_kimi() -> None:
-    from .. import compat
-
-    compat.register_kimi_auto_classes()
-
-
 def load_model(path: str | os.PathLike, *, packed: bool = False, dtype: str = "bfloat16"):
-    """A checkpoint from its directory with transformers, eval mode, floating weights in ``dtype``.
-    compressed-tensors checkpoints (MXFP4 experts) are decompressed on load (``dequantize=True``): the
-    weights are the exact MXFP4 values, the forward is the same as the compressed module's. With
-    ``packed`` they stay packed (``weight_packed`` / ``weight_scale``): REAP calibration then
-    dequantizes one MoE layer at a time (:mod:`reap_modifier.calibration.packed`), in the dtype
-    the experts are called with.
+    """A checkpoint from its directory with transformers, eval mode, floating weights in ``dtype``
+    (:func:`reap_modifier.compat.load_checkpoint_model`). compressed-tensors checkpoints (MXFP4
+    experts) are decompressed on load: the weights are the exact MXFP4 values, the forward is the
+    same as the compressed module's. With ``packed`` they stay packed (``weight_packed`` /
+    ``weight_scale``): REAP calibration then dequantizes one MoE layer at a time
+    (:mod:`reap_modifier.calibration.packed`), in the dtype the experts are called with."""
+    from ..compat import load_checkpoint_model
 
-    The model is loaded in bf16 and cast afterwards: compressed-tensors 0.19 decompresses to bf16
-    whatever ``from_pretrained``'s dtype, so a float32 load leaves bf16 experts in a float32 model."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    register_kimi()
-    kwargs: dict[str, Any] = {"dtype": torch.bfloat16}
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    if (cfg.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
-        from transformers.utils.quantization_config import CompressedTensorsConfig
-
-        kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=not packed)
     if _QUIET:  # transformers' and compressed-tensors' per-load progress bars
         import contextlib
         import io
 
         with contextlib.redirect_stderr(io.StringIO()):
-            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
-    return model.to(getattr(torch, dtype))  # floating tensors only: packed uint8 stays as stored
+            return load_checkpoint_model(path, dtype=dtype, packed=packed)
+    return load_checkpoint_model(path, dtype=dtype, packed=packed)
 
 
 def relative_to(path: Path, root: Path) -> str:

@@ -9,10 +9,8 @@ differ between the two sides is how each reads and computes the checkpoint.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 __all__ = ["Reference", "greedy_reference", "load_reference_model", "make_prompts", "sequence_logprobs"]
 
@@ -36,19 +34,11 @@ def make_prompts(vocab_size: int, n: int = 4, seed: int = 0, lengths=(8, 13, 16,
 
 
 def load_reference_model(checkpoint: str | os.PathLike, dtype: str = "auto"):
-    """The checkpoint through transformers (Kimi K3 via llm-compressor's class), eval mode."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The checkpoint through transformers (Kimi K3 via llm-compressor's class), eval mode,
+    in ``dtype`` (compressed-tensors checkpoints decompressed)."""
+    from ..compat import load_checkpoint_model
 
-    cfg = json.loads((Path(checkpoint) / "config.json").read_text())
-    if cfg.get("model_type") in ("kimi_k3",):
-        from ..compat import register_kimi_auto_classes
-
-        register_kimi_auto_classes()
-    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-    config = AutoConfig.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, dtype=torch_dtype)
-    return model.eval()
+    return load_checkpoint_model(checkpoint, dtype=dtype)
 
 
 def greedy_reference(model, prompts: list[list[int]], max_tokens: int) -> Reference:
