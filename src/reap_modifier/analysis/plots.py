@@ -10,7 +10,18 @@ import numpy as np
 
 from ..scores.baselines import layer_number
 
-__all__ = ["plot_flips", "plot_routing_ratio", "plot_tiers"]
+__all__ = ["plot_flips", "plot_routing_ratio", "plot_tiers", "save_png"]
+
+
+def save_png(fig, path: str | os.PathLike) -> Path:
+    """Write ``fig`` to ``path`` (parent folders created) at the reports' resolution, close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_tiers(report: dict, path: str | os.PathLike) -> Path:
@@ -57,11 +68,7 @@ def plot_tiers(report: dict, path: str | os.PathLike) -> Path:
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)
 
 
 def _layer_axis(layers: list[str]) -> tuple[np.ndarray, str]:
@@ -92,10 +99,7 @@ def plot_flips(result: dict, path: str | os.PathLike) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)
 
 
 def plot_routing_ratio(result: dict, rates_ratio: list[tuple[str, np.ndarray, np.ndarray]],
@@ -130,7 +134,4 @@ def plot_routing_ratio(result: dict, rates_ratio: list[tuple[str, np.ndarray, np
         ax.set_ylabel("density")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import typer
 
-from .common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, fail
+from .common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, check_failed, fail
 
 __all__ = ["register", "build_plan_from_scores"]
 
@@ -267,10 +267,7 @@ def register(app: typer.Typer) -> None:
         for w in report.warnings:
             typer.echo(f"warning: {w}", err=True)
         if not report.ok:
-            for f in report.failures:
-                typer.echo(f"FAIL: {f}", err=True)
-            typer.echo(f"{dst}: verification FAILED ({len(report.failures)} problem(s))", err=True)
-            raise typer.Exit(EXIT_CHECK_FAILED)
+            check_failed(report.failures, f"{dst}: verification FAILED ({len(report.failures)} problem(s))")
         info = report.info
         typer.echo(
             f"{dst}: OK ({info.get('moe_layers')} MoE layers x {info.get('num_experts')} experts, "
@@ -306,9 +303,6 @@ def _verify_with_vllm(dst, python, mode, dtype, server_args, max_tokens, referen
     for line in report.notes:
         typer.echo(f"note: {line}", err=True)
     if not report.ok:
-        for line in report.failures:
-            typer.echo(f"FAIL: {line}", err=True)
-        typer.echo(f"{dst}: vLLM check FAILED (log: {report.log_path})", err=True)
-        raise typer.Exit(EXIT_CHECK_FAILED)
+        check_failed(report.failures, f"{dst}: vLLM check FAILED (log: {report.log_path})")
     verdict = "tokens match" if report.tokens_match else ("served" if report.served else "loaded")
     typer.echo(f"{dst}: vLLM check OK ({report.mode} mode: {verdict})")

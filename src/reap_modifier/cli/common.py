@@ -22,6 +22,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_USAGE",
     "GreedyCommand",
+    "check_failed",
     "console",
     "err_console",
     "fail",
@@ -51,6 +52,14 @@ def fail(exc: Exception | str, code: int = EXIT_USAGE) -> NoReturn:
         msg = str(exc)
     err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=code)
+
+
+def check_failed(failures: list[str], summary: str) -> NoReturn:
+    """Print each failure as ``FAIL: ...`` and the summary on stderr, exit 1 (a check failed)."""
+    for line in failures:
+        typer.echo(f"FAIL: {line}", err=True)
+    typer.echo(summary, err=True)
+    raise typer.Exit(EXIT_CHECK_FAILED)
 
 
 class GreedyCommand(TyperCommand):

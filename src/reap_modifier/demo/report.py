@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from ..analysis.formatting import pct, tokens
+from ..analysis.plots import save_png
 from .config import ABLATION, LANGS, REFERENCE
 
 # ----------------------------------------------------------------------------- plots
@@ -57,8 +58,7 @@ def write_plots(results: dict, out: Path) -> None:
     fig.suptitle(f"Expert pruning of {Path(results['model']['path']).name}: held-out quality per language"
                  " (dashed: all routed experts removed)", fontsize=11)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
-    fig.savefig(out / "quality.png", dpi=110)
-    plt.close(fig)
+    save_png(fig, out / "quality.png")
 
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for i, n in enumerate(_model_order(results)):
@@ -70,8 +70,7 @@ def write_plots(results: dict, out: Path) -> None:
     ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "nll_per_language.png", dpi=110)
-    plt.close(fig)
+    save_png(fig, out / "nll_per_language.png")
 
 
 # ----------------------------------------------------------------------------- report
