@@ -82,15 +82,21 @@ def measure(model, batches, variants, repeats):
 
 
 def qwen3_256(hidden: int):
+    from llmcompressor.modeling.moe.linearize import linearize_moe
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from llmcompressor.modeling.moe.linearize import linearize_moe
-
     cfg = Qwen3MoeConfig(
-        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
-        moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, head_dim=hidden // 4, num_experts=256,
-        num_experts_per_tok=16, norm_topk_prob=True,
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=hidden // 4,
+        num_experts=256,
+        num_experts_per_tok=16,
+        norm_topk_prob=True,
     )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg).eval()
@@ -99,22 +105,43 @@ def qwen3_256(hidden: int):
 
 
 def k3_shaped(hidden: int, experts: int):
-    from reap_modifier import compat  # noqa: F401  (registers kimi_k3)
     from llmcompressor.modeling.kimi_k3.configuration_kimi_k3 import KimiK3Config
     from llmcompressor.modeling.kimi_k3.modeling_kimi_k3 import KimiK3ForConditionalGeneration
 
+    from reap_modifier import compat  # noqa: F401  (registers kimi_k3)
+
     text = dict(
-        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-        moe_intermediate_size=64, num_experts=experts, num_experts_per_token=16,
-        num_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
-        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-        routed_expert_hidden_size=hidden // 2, linear_attn_config=None,
-        max_position_embeddings=4096, mla_use_nope=True,
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        moe_intermediate_size=64,
+        num_experts=experts,
+        num_experts_per_token=16,
+        num_shared_experts=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        routed_expert_hidden_size=hidden // 2,
+        linear_attn_config=None,
+        max_position_embeddings=4096,
+        mla_use_nope=True,
     )
-    vision = dict(vt_num_attention_heads=2, vt_num_hidden_layers=1, vt_hidden_size=16,
-                  vt_intermediate_size=32, text_hidden_size=hidden, mm_hidden_size=16,
-                  qkv_hidden_size=16, _attn_implementation="eager")
+    vision = dict(
+        vt_num_attention_heads=2,
+        vt_num_hidden_layers=1,
+        vt_hidden_size=16,
+        vt_intermediate_size=32,
+        text_hidden_size=hidden,
+        mm_hidden_size=16,
+        qkv_hidden_size=16,
+        _attn_implementation="eager",
+    )
     torch.manual_seed(0)
     model = KimiK3ForConditionalGeneration(KimiK3Config(text_config=text, vision_config=vision))
     with torch.no_grad():
@@ -133,12 +160,19 @@ def main() -> None:
     args = parser.parse_args()
 
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 512, (1, args.seq), generator=gen)
-               for _ in range(max(1, args.tokens // args.seq))]
+    batches = [
+        torch.randint(0, 512, (1, args.seq), generator=gen)
+        for _ in range(max(1, args.tokens // args.seq))
+    ]
     rows = []
 
     model = qwen3_256(args.hidden)
-    t = measure(model, batches, {"plain": None, "ours": attach_ours, "upstream": attach_upstream}, args.repeats)
+    t = measure(
+        model,
+        batches,
+        {"plain": None, "ours": attach_ours, "upstream": attach_upstream},
+        args.repeats,
+    )
     rows.append(("Qwen3-MoE 256 experts, top-16 (linearized)", t))
     del model
 
@@ -146,8 +180,12 @@ def main() -> None:
     t = measure(model, batches, {"plain": None, "ours": attach_ours}, args.repeats)
     rows.append((f"Kimi-K3-shaped latent MoE, {args.k3_experts} experts, top-16", t))
 
-    print(f"\n{len(batches)} batches x {args.seq} tokens, median of {args.repeats} interleaved repeats, 1 thread")
-    print(f"{'model':<50} {'plain s':>8} {'ours s':>8} {'upstream s':>10} {'ours/plain':>10} {'upstream/plain':>14}")
+    print(
+        f"\n{len(batches)} batches x {args.seq} tokens, median of {args.repeats} interleaved repeats, 1 thread"
+    )
+    print(
+        f"{'model':<50} {'plain s':>8} {'ours s':>8} {'upstream s':>10} {'ours/plain':>10} {'upstream/plain':>14}"
+    )
     for name, t in rows:
         up = t.get("upstream")
         up_s = f"{up:10.3f}" if up else f"{'n/a':>10}"
@@ -156,6 +194,7 @@ def main() -> None:
             f"{name:<50} {t['plain']:8.3f} {t['ours']:8.3f} {up_s} "
             f"{t['ours'] / t['plain']:10.3f}x {up_r}"
         )
+
 
 if __name__ == "__main__":
     main()

@@ -46,11 +46,13 @@ SIZES = {
     # seconds, for trying the script: 2 MoE layers x 64 experts of 3 x 256 x 256
     "smoke": dict(hidden=256, latent=256, inter=256, experts=64, moe_layers=2, top_k=4, vocab=512),
     # 8 MoE layers x 384 experts of 3 x 512 x 512, top-4: 1.28 GB packed experts, 4.8 GB dense
-    "default": dict(hidden=1024, latent=512, inter=512, experts=384, moe_layers=8, top_k=4,
-                    vocab=4096),
+    "default": dict(
+        hidden=1024, latent=512, inter=512, experts=384, moe_layers=8, top_k=4, vocab=4096
+    ),
     # 27 MoE layers: 4.3 GB packed experts, 16.3 GB dense
-    "large": dict(hidden=1024, latent=512, inter=512, experts=384, moe_layers=27, top_k=4,
-                  vocab=4096),
+    "large": dict(
+        hidden=1024, latent=512, inter=512, experts=384, moe_layers=27, top_k=4, vocab=4096
+    ),
 }
 
 #: checkpoint sizes quoted for the real model: (packed bytes, routed experts per layer)
@@ -77,9 +79,9 @@ def child(args) -> None:
 
     torch.set_num_threads(args.threads)
     from datasets import Dataset
+    from llmcompressor import oneshot
 
     import reap_modifier  # noqa: F401  (registers the modifier, patches oneshot's loader)
-    from llmcompressor import oneshot
     from reap_modifier.modifier import REAPPruningModifier
 
     gen = torch.Generator().manual_seed(0)
@@ -103,7 +105,9 @@ def child(args) -> None:
     original_init = REAPPruningModifier.on_initialize
 
     def on_initialize(self, state, **kwargs):
-        phase.update(name="calibrate", loaded_at=time.perf_counter(), rss_loaded=process.memory_info().rss)
+        phase.update(
+            name="calibrate", loaded_at=time.perf_counter(), rss_loaded=process.memory_info().rss
+        )
         return original_init(self, state, **kwargs)
 
     REAPPruningModifier.on_initialize = on_initialize
@@ -111,22 +115,41 @@ def child(args) -> None:
     sampler.start()
     modifier = REAPPruningModifier(sparsity=0.5, dequantize=args.child)
     t = time.perf_counter()
-    oneshot(model=args.path, recipe=[modifier], processor=tokenizer, dataset=dataset,
-            num_calibration_samples=n, batch_size=args.batch_size, moe_calibrate_all_experts=False)
+    oneshot(
+        model=args.path,
+        recipe=[modifier],
+        processor=tokenizer,
+        dataset=dataset,
+        num_calibration_samples=n,
+        batch_size=args.batch_size,
+        moe_calibrate_all_experts=False,
+    )
     seconds = time.perf_counter() - t
     stop.set()
     sampler.join()
     usage = resource.getrusage(resource.RUSAGE_SELF)
     peak = usage.ru_maxrss * 1024
     stats = modifier.packed.stats if modifier.packed is not None else None
-    print("RESULT " + json.dumps({
-        "mode": args.child, "peak_rss": peak, "rss_imports": rss_imports, "seconds": seconds,
-        "cpu_seconds": usage.ru_utime + usage.ru_stime,
-        "load_seconds": phase["loaded_at"] - t, "rss_loaded": phase["rss_loaded"],
-        "peak_load": peaks["load"], "peak_calibrate": peaks["calibrate"],
-        "tokens": n * args.seq, "dequantizations": stats.dequantized_modules if stats else None,
-        "peak_dense_bytes": stats.peak_dense_bytes if stats else None,
-    }), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "mode": args.child,
+                "peak_rss": peak,
+                "rss_imports": rss_imports,
+                "seconds": seconds,
+                "cpu_seconds": usage.ru_utime + usage.ru_stime,
+                "load_seconds": phase["loaded_at"] - t,
+                "rss_loaded": phase["rss_loaded"],
+                "peak_load": peaks["load"],
+                "peak_calibrate": peaks["calibrate"],
+                "tokens": n * args.seq,
+                "dequantizations": stats.dequantized_modules if stats else None,
+                "peak_dense_bytes": stats.peak_dense_bytes if stats else None,
+            }
+        ),
+        flush=True,
+    )
 
 
 def run_mode(mode: str, path: Path, args, budget: int) -> dict:
@@ -135,12 +158,32 @@ def run_mode(mode: str, path: Path, args, budget: int) -> dict:
     reported as ``{"over_budget": rss, "seconds": ...}``."""
     import psutil
 
-    cmd = [sys.executable, __file__, "--child", mode, "--path", str(path), "--tokens", str(args.tokens),
-           "--seq", str(args.seq), "--vocab", str(args.vocab), "--threads", str(args.threads),
-           "--batch-size", str(args.batch_size)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"),
-                                           os.environ.get("PYTHONPATH", "")]))
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        mode,
+        "--path",
+        str(path),
+        "--tokens",
+        str(args.tokens),
+        "--seq",
+        str(args.seq),
+        "--vocab",
+        str(args.vocab),
+        "--threads",
+        str(args.threads),
+        "--batch-size",
+        str(args.batch_size),
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(args.threads),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=os.pathsep.join(
+            [str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
@@ -161,7 +204,7 @@ def run_mode(mode: str, path: Path, args, budget: int) -> dict:
     line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         raise SystemExit(f"{mode} run failed (rc={proc.returncode}):\n{stderr[-4000:]}")
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def gib(x: float) -> str:
@@ -182,8 +225,11 @@ def k3_extrapolation(ranks: int) -> list[str]:
     c = ASSUMED_K3
     moe_layers = c["num_hidden_layers"] - c["first_k_dense_replace"]
     per = memory_per_rank(c, seq=32768)
-    other = c["attention_params_per_layer"] * 2 / GIB + per["activations (one sample)"] \
+    other = (
+        c["attention_params_per_layer"] * 2 / GIB
+        + per["activations (one sample)"]
         + per["observer expert-output buffer"]
+    )
     lines = [
         f"K3-scale EXTRAPOLATION (not measured): {ranks} ranks x one 32k-token sample, {moe_layers} MoE "
         "layers; per MoE layer packed = checkpoint / layers, dense = packed x 64/17. Host: "
@@ -210,16 +256,26 @@ def k3_extrapolation(ranks: int) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="default")
-    p.add_argument("--modes", nargs="+", default=["layer", "expert", "model"],
-                   choices=["layer", "expert", "model"])
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["layer", "expert", "model"],
+        choices=["layer", "expert", "model"],
+    )
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--workdir", default=None, help="where the checkpoint is written (kept if given)")
+    p.add_argument(
+        "--workdir", default=None, help="where the checkpoint is written (kept if given)"
+    )
     p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--budget-gib", type=float, default=12.0,
-                   help="stop any run whose RSS exceeds this (and the memory available now - 3 GiB)")
+    p.add_argument(
+        "--budget-gib",
+        type=float,
+        default=12.0,
+        help="stop any run whose RSS exceeds this (and the memory available now - 3 GiB)",
+    )
     # child mode (internal)
     p.add_argument("--child", default=None)
     p.add_argument("--path", default=None)
@@ -229,7 +285,6 @@ def main() -> None:
         return child(args)
 
     import psutil
-
     from k3_mxfp4_synth import K3Shape, write_k3_mxfp4
 
     shape = K3Shape(**SIZES[args.size])
@@ -248,39 +303,58 @@ def main() -> None:
     dense = info["dense_checkpoint_bytes"]
     layer = info["dense_layer_expert_bytes"]
     target = ckpt + layer + GIB
-    print(f"\nsynthetic K3-shaped MXFP4 checkpoint: {shape.moe_layers} MoE layers x {shape.experts} experts "
-          f"(3 x {shape.latent} x {shape.inter}), top-{shape.top_k}; {args.tokens} tokens "
-          f"({args.tokens // args.seq} x {args.seq}, batch {args.batch_size}), {args.threads} thread(s)")
+    print(
+        f"\nsynthetic K3-shaped MXFP4 checkpoint: {shape.moe_layers} MoE layers x {shape.experts} experts "
+        f"(3 x {shape.latent} x {shape.inter}), top-{shape.top_k}; {args.tokens} tokens "
+        f"({args.tokens // args.seq} x {args.seq}, batch {args.batch_size}), {args.threads} thread(s)"
+    )
     print(f"  packed checkpoint on disk       {gib(ckpt)} GiB")
     print(f"  dense (bf16) it would need      {gib(dense)} GiB  ({dense / ckpt:.2f}x)")
     print(f"  one MoE layer's experts dense   {gib(layer)} GiB")
     print(f"  target for `layer`: packed + one dense layer + 1 GiB = {gib(target).strip()} GiB\n")
     rows = {}
     budget = int(min(psutil.virtual_memory().available - 3 * GIB, args.budget_gib * GIB))
-    print(f"(each run is stopped if its RSS exceeds {gib(budget).strip()} GiB: min(available now - 3 GiB, "
-          f"--budget-gib {args.budget_gib:g}))")
-    print(f"{'mode':7s} {'peak RSS':>9s} {'imports':>8s} {'loaded':>8s} {'peak load':>10s} {'peak calib':>11s} "
-          f"{'vs packed':>10s} {'load s':>7s} {'wall s':>7s} {'CPU s':>7s} {'dequant':>8s}  (GiB)")
+    print(
+        f"(each run is stopped if its RSS exceeds {gib(budget).strip()} GiB: min(available now - 3 GiB, "
+        f"--budget-gib {args.budget_gib:g}))"
+    )
+    print(
+        f"{'mode':7s} {'peak RSS':>9s} {'imports':>8s} {'loaded':>8s} {'peak load':>10s} {'peak calib':>11s} "
+        f"{'vs packed':>10s} {'load s':>7s} {'wall s':>7s} {'CPU s':>7s} {'dequant':>8s}  (GiB)"
+    )
     for mode in args.modes:
         r = run_mode(mode, path, args, budget)
         if "over_budget" in r:
-            print(f"{mode:7s} STOPPED at {gib(r['over_budget']).strip()} GiB RSS after {r['seconds']:.0f} s: "
-                  f"does not fit in the {gib(budget).strip()} GiB budget"
-                  + (f" (the dense model alone is {gib(dense).strip()} GiB)" if mode == "model" else ""))
+            print(
+                f"{mode:7s} STOPPED at {gib(r['over_budget']).strip()} GiB RSS after {r['seconds']:.0f} s: "
+                f"does not fit in the {gib(budget).strip()} GiB budget"
+                + (
+                    f" (the dense model alone is {gib(dense).strip()} GiB)"
+                    if mode == "model"
+                    else ""
+                )
+            )
             continue
         rows[mode] = r
         deq = "-" if r["dequantizations"] is None else str(r["dequantizations"])
-        print(f"{mode:7s} {gib(r['peak_rss']):>9s} {gib(r['rss_imports']):>8s} {gib(r['rss_loaded']):>8s} "
-              f"{gib(r['peak_load']):>10s} {gib(r['peak_calibrate']):>11s} {r['peak_rss'] / ckpt:9.2f}x "
-              f"{r['load_seconds']:7.1f} {r['seconds']:7.1f} {r['cpu_seconds']:7.1f} {deq:>8s}", flush=True)
+        print(
+            f"{mode:7s} {gib(r['peak_rss']):>9s} {gib(r['rss_imports']):>8s} {gib(r['rss_loaded']):>8s} "
+            f"{gib(r['peak_load']):>10s} {gib(r['peak_calibrate']):>11s} {r['peak_rss'] / ckpt:9.2f}x "
+            f"{r['load_seconds']:7.1f} {r['seconds']:7.1f} {r['cpu_seconds']:7.1f} {deq:>8s}",
+            flush=True,
+        )
     if "layer" in rows:
         peak = rows["layer"]["peak_rss"]
-        print(f"\ntarget (layer): peak RSS {gib(peak).strip()} <= packed + one dense MoE layer + 1 GiB = "
-              f"{gib(target).strip()} GiB: {'MET' if peak <= target else 'MISSED'}")
+        print(
+            f"\ntarget (layer): peak RSS {gib(peak).strip()} <= packed + one dense MoE layer + 1 GiB = "
+            f"{gib(target).strip()} GiB: {'MET' if peak <= target else 'MISSED'}"
+        )
     if "model" in rows:
         ratio = rows["model"]["peak_rss"] / rows.get("layer", rows["model"])["peak_rss"]
-        print(f"old path (model): peak RSS {ratio:.2f}x "
-              "the packed mode's (oneshot loads with dequantize=True: everything dense before calibration)")
+        print(
+            f"old path (model): peak RSS {ratio:.2f}x "
+            "the packed mode's (oneshot loads with dequantize=True: everything dense before calibration)"
+        )
     print()
     for line in k3_extrapolation(args.ranks):
         print(line)

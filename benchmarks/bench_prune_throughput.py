@@ -103,13 +103,17 @@ def _run(args: list[str], env: dict | None = None) -> tuple[str, str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--gib", type=float, default=2.0, help="approximate source size (GiB, >= 1)")
     ap.add_argument("--shard-mib", type=int, default=512, help="shard size (MiB)")
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--repeat", type=int, default=2, help="timed repetitions (best is reported)")
-    ap.add_argument("--workdir", type=Path, default=None, help="where to build (default: a temp dir)")
+    ap.add_argument(
+        "--workdir", type=Path, default=None, help="where to build (default: a temp dir)"
+    )
     ap.add_argument("--keep-files", action="store_true")
     args = ap.parse_args()
 
@@ -127,12 +131,20 @@ def main() -> None:
         t = time.perf_counter()
         if not (src / "model.safetensors.index.json").is_file():
             info = write_synthetic_mxfp4(
-                src, num_layers=layers + 1, num_experts=E, top_k=8, hidden=hidden, inter=inter,
-                shard_bytes=args.shard_mib * MiB, dense_layers=1,
+                src,
+                num_layers=layers + 1,
+                num_experts=E,
+                top_k=8,
+                hidden=hidden,
+                inter=inter,
+                shard_bytes=args.shard_mib * MiB,
+                dense_layers=1,
             )
         else:
             idx = json.loads((src / "model.safetensors.index.json").read_text())
-            blocks = sorted({k.split(".experts.")[0] for k in idx["weight_map"] if ".experts." in k})
+            blocks = sorted(
+                {k.split(".experts.")[0] for k in idx["weight_map"] if ".experts." in k}
+            )
             info = {"blocks": blocks}
         build_s = time.perf_counter() - t
         src_bytes = _dir_bytes(src)
@@ -141,12 +153,16 @@ def main() -> None:
         keep = E - round(args.sparsity * E)
         rng = random.Random(0)
         plan = PruningPlan(
-            kept={b: sorted(rng.sample(range(E), keep)) for b in info["blocks"]}, num_experts=E, saliency="random"
+            kept={b: sorted(rng.sample(range(E), keep)) for b in info["blocks"]},
+            num_experts=E,
+            saliency="random",
         )
         plan_file = work / "plan.json"
         plan.save(plan_file)
-        print(f"source: {src_bytes / GiB:.2f} GiB in {n_shards} shards (largest {largest / MiB:.0f} MiB), "
-              f"{len(info['blocks'])} MoE layers x {E} experts -> keep {keep}  [built in {build_s:.1f}s]")
+        print(
+            f"source: {src_bytes / GiB:.2f} GiB in {n_shards} shards (largest {largest / MiB:.0f} MiB), "
+            f"{len(info['blocks'])} MoE layers x {E} experts -> keep {keep}  [built in {build_s:.1f}s]"
+        )
 
         def fresh(path: Path):
             shutil.rmtree(path, ignore_errors=True)
@@ -161,14 +177,25 @@ def main() -> None:
         def rewrite(label: str, hash_flag: str, cache_arg: str):
             dst = work / f"dst_{label}"
             fresh(dst)
-            out, _, _ = _run([sys.executable, "-c", CHILD, str(src), str(plan_file), str(dst), hash_flag, cache_arg])
+            out, _, _ = _run(
+                [
+                    sys.executable,
+                    "-c",
+                    CHILD,
+                    str(src),
+                    str(plan_file),
+                    str(dst),
+                    hash_flag,
+                    cache_arg,
+                ]
+            )
             data = json.loads(next(l for l in out.splitlines() if l.startswith("BENCH "))[6:])
             results[label].append(data["rewrite_s"])
             rss[label] = max(rss.get(label, 0), data["rss_peak"])
             rss["after_imports"] = data["rss_imports"]
             return dst
 
-        for rep in range(args.repeat):
+        for _rep in range(args.repeat):
             cache.unlink(missing_ok=True)
             out_dir = rewrite("cold", "1", str(cache))  # hashes every source shard
             rewrite("warm", "1", str(cache))  # a second cut: source hashes from the cache
@@ -183,7 +210,18 @@ def main() -> None:
             cli_dst = work / "dst_cli"
             fresh(cli_dst)
             _, err, wall = _run(
-                [sys.executable, "-c", CLI, "prune", str(src), "--plan", str(plan_file), "--out", str(cli_dst), "-q"],
+                [
+                    sys.executable,
+                    "-c",
+                    CLI,
+                    "prune",
+                    str(src),
+                    "--plan",
+                    str(plan_file),
+                    "--out",
+                    str(cli_dst),
+                    "-q",
+                ],
                 env_cache,
             )
             results["cli"].append(wall)
@@ -193,7 +231,9 @@ def main() -> None:
 
         best = {k: min(v) for k, v in results.items()}
         gbps = {k: kept_bytes / v / GiB for k, v in best.items()}
-        print(f"kept bytes written: {kept_bytes / GiB:.3f} GiB ({kept_bytes / src_bytes:.1%} of the source)")
+        print(
+            f"kept bytes written: {kept_bytes / GiB:.3f} GiB ({kept_bytes / src_bytes:.1%} of the source)"
+        )
         print(f"{'step':38s} {'best s':>8s} {'GiB/s':>7s} {'vs cp':>7s}")
         rows = [
             ("cp -r of the pruned output", "cp"),
@@ -206,18 +246,36 @@ def main() -> None:
             print(f"{title:38s} {best[k]:8.2f} {gbps[k]:7.2f} {gbps[k] / gbps['cp']:6.2f}x")
         limit = largest + 256 * MiB
         worst = max(rss[k] for k in ("cold", "warm", "nohash", "cli"))
-        print(f"peak RSS: rewrite process {rss['cold'] / MiB:.0f} MiB (cold), {rss['warm'] / MiB:.0f} (warm), "
-              f"{rss['nohash'] / MiB:.0f} (no-hash), CLI {rss['cli'] / MiB:.0f}; "
-              f"RSS after imports {rss['after_imports'] / MiB:.0f} MiB")
-        print(f"largest shard + 256 MiB = {limit / MiB:.0f} MiB -> {'OK' if worst < limit else 'OVER'} "
-              f"(worst {worst / MiB:.0f} MiB)")
+        print(
+            f"peak RSS: rewrite process {rss['cold'] / MiB:.0f} MiB (cold), {rss['warm'] / MiB:.0f} (warm), "
+            f"{rss['nohash'] / MiB:.0f} (no-hash), CLI {rss['cli'] / MiB:.0f}; "
+            f"RSS after imports {rss['after_imports'] / MiB:.0f} MiB"
+        )
+        print(
+            f"largest shard + 256 MiB = {limit / MiB:.0f} MiB -> {'OK' if worst < limit else 'OVER'} "
+            f"(worst {worst / MiB:.0f} MiB)"
+        )
         for k in ("cold", "warm", "nohash"):
             ok = gbps[k] >= 0.8 * gbps["cp"]
-            print(f"throughput target (>= 0.8x cp), {k}: {'OK' if ok else 'MISSED'} ({gbps[k] / gbps['cp']:.2f}x)")
-        print("BENCH-RESULT " + json.dumps({
-            "source_bytes": src_bytes, "kept_bytes": kept_bytes, "largest_shard": largest, "shards": n_shards,
-            "best_s": best, "gib_per_s": gbps, "peak_rss": rss, "runs": results, "cpus": os.cpu_count(),
-        }))
+            print(
+                f"throughput target (>= 0.8x cp), {k}: {'OK' if ok else 'MISSED'} ({gbps[k] / gbps['cp']:.2f}x)"
+            )
+        print(
+            "BENCH-RESULT "
+            + json.dumps(
+                {
+                    "source_bytes": src_bytes,
+                    "kept_bytes": kept_bytes,
+                    "largest_shard": largest,
+                    "shards": n_shards,
+                    "best_s": best,
+                    "gib_per_s": gbps,
+                    "peak_rss": rss,
+                    "runs": results,
+                    "cpus": os.cpu_count(),
+                }
+            )
+        )
     finally:
         if not args.keep_files and args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

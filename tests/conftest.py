@@ -34,7 +34,9 @@ def make_dataset(samples: list[torch.Tensor]):
     return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]})
 
 
-def calibration_samples(vocab: int = 128, n: int = 6, seq: int = 12, seed: int = 0) -> list[torch.Tensor]:
+def calibration_samples(
+    vocab: int = 128, n: int = 6, seq: int = 12, seed: int = 0
+) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (seq,), generator=gen) for _ in range(n)]
 

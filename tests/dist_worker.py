@@ -41,20 +41,24 @@ CASES: dict[str, dict] = {
     "qwen_same_shuffle": dict(family="qwen3_moe", data="same", lengths=(32,) * 12, shuffle=True),
     # fewer samples requested than the dataset holds: the single process's choice
     "qwen_same_subset": dict(family="qwen3_moe", data="same", lengths=VARIED, num_samples=5),
-    "qwen_same_subset_shuffle": dict(family="qwen3_moe", data="same", lengths=VARIED,
-                                     num_samples=5, shuffle=True),
+    "qwen_same_subset_shuffle": dict(
+        family="qwen3_moe", data="same", lengths=VARIED, num_samples=5, shuffle=True
+    ),
     "qwen_same_varied": dict(family="qwen3_moe", data="same", lengths=VARIED),
     "qwen_same_pad4": dict(family="qwen3_moe", data="same", lengths=VARIED, batch_size=4),
-    "qwen_shards_pad4": dict(family="qwen3_moe", data="shards", shards=(5, 2), lengths=VARIED,
-                             batch_size=4),
+    "qwen_shards_pad4": dict(
+        family="qwen3_moe", data="shards", shards=(5, 2), lengths=VARIED, batch_size=4
+    ),
     "kimi_same": dict(family="kimi_k3", data="same", lengths=(16,) * 6),
     "kimi_same_varied": dict(family="kimi_k3", data="same", lengths=VARIED),
-    "kimi_same_pad4_shuffle": dict(family="kimi_k3", data="same", lengths=VARIED, batch_size=4,
-                                   shuffle=True),
+    "kimi_same_pad4_shuffle": dict(
+        family="kimi_k3", data="same", lengths=VARIED, batch_size=4, shuffle=True
+    ),
     "kimi_shards": dict(family="kimi_k3", data="shards", shards=(3, 3), lengths=(12,) * 6),
     # a rank with a single 4-token sample: some experts get nothing locally
-    "kimi_shards_uneven": dict(family="kimi_k3", data="shards", shards=(5, 1),
-                               lengths=(12,) * 5 + (4,), shuffle=True),
+    "kimi_shards_uneven": dict(
+        family="kimi_k3", data="shards", shards=(5, 1), lengths=(12,) * 5 + (4,), shuffle=True
+    ),
 }
 
 #: padded case -> the case over the same samples at batch size 1 (no padding)
@@ -104,8 +108,9 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
     case = CASES[name]
     family = case["family"]
     out.mkdir(parents=True, exist_ok=True)
-    model, info = build_tiny(family, seed=31, dtype=torch.float64,
-                             **FAMILY_OVERRIDES.get(family, {}))
+    model, info = build_tiny(
+        family, seed=31, dtype=torch.float64, **FAMILY_OVERRIDES.get(family, {})
+    )
     if rank == 0:  # transformers saves on the main process only
         model.save_pretrained(out / "src")
     if dist.is_initialized():

@@ -45,14 +45,30 @@ class K3Shape:
     def text_config(self) -> dict:
         heads = max(2, self.hidden // 64)
         return dict(
-            vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=2 * self.hidden,
-            num_hidden_layers=self.dense_layers + self.moe_layers, num_attention_heads=heads,
-            num_key_value_heads=heads, moe_intermediate_size=self.inter, num_experts=self.experts,
-            num_experts_per_token=self.top_k, num_shared_experts=1, routed_scaling_factor=2.5,
-            first_k_dense_replace=self.dense_layers, num_expert_group=self.n_group,
-            topk_group=self.topk_group, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
-            v_head_dim=16, routed_expert_hidden_size=self.latent, linear_attn_config=None,
-            max_position_embeddings=4096, mla_use_nope=True, pad_token_id=0, bos_token_id=1,
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=2 * self.hidden,
+            num_hidden_layers=self.dense_layers + self.moe_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            moe_intermediate_size=self.inter,
+            num_experts=self.experts,
+            num_experts_per_token=self.top_k,
+            num_shared_experts=1,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=self.dense_layers,
+            num_expert_group=self.n_group,
+            topk_group=self.topk_group,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=16,
+            routed_expert_hidden_size=self.latent,
+            linear_attn_config=None,
+            max_position_embeddings=4096,
+            mla_use_nope=True,
+            pad_token_id=0,
+            bos_token_id=1,
             eos_token_id=2,
         )
 
@@ -75,9 +91,16 @@ class K3Shape:
 def k3_config(shape: K3Shape):
     from llmcompressor.modeling.kimi_k3.configuration_kimi_k3 import KimiK3Config
 
-    vision = dict(vt_num_attention_heads=2, vt_num_hidden_layers=1, vt_hidden_size=16,
-                  vt_intermediate_size=32, text_hidden_size=shape.hidden, mm_hidden_size=16,
-                  qkv_hidden_size=16, _attn_implementation="eager")
+    vision = dict(
+        vt_num_attention_heads=2,
+        vt_num_hidden_layers=1,
+        vt_hidden_size=16,
+        vt_intermediate_size=32,
+        text_hidden_size=shape.hidden,
+        mm_hidden_size=16,
+        qkv_hidden_size=16,
+        _attn_implementation="eager",
+    )
     cfg = KimiK3Config(text_config=shape.text_config(), vision_config=vision)
     cfg.text_config._attn_implementation = "eager"
     return cfg
@@ -91,7 +114,8 @@ def _meta_state(config) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]],
         model = KimiK3ForConditionalGeneration(config)
     entries = [(k, tuple(v.shape), v.dtype) for k, v in model.state_dict().items()]
     linears = [
-        n for n, m in model.named_modules()
+        n
+        for n, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and not re.match(r".*\.experts\.\d+\.(w1|w2|w3)$", n)
     ]
     return entries, linears
@@ -105,12 +129,16 @@ def _tensors(entries, gen: torch.Generator):
         m = EXPERT_WEIGHT.match(name)
         if m:
             out_f, in_f = shape
-            yield f"{m['module']}.weight_packed", torch.randint(
-                0, 256, (out_f, in_f // 2), dtype=torch.uint8, generator=gen)
+            yield (
+                f"{m['module']}.weight_packed",
+                torch.randint(0, 256, (out_f, in_f // 2), dtype=torch.uint8, generator=gen),
+            )
             # scale ~ 1 / (E2M1 std * sqrt(fan_in)) as a power of two, +-1 octave jitter
             exp = 127 - round(math.log2(_E2M1_STD * math.sqrt(in_f)))
-            yield f"{m['module']}.weight_scale", (exp + torch.randint(
-                -1, 2, (out_f, in_f // 32), generator=gen)).to(torch.uint8)
+            yield (
+                f"{m['module']}.weight_scale",
+                (exp + torch.randint(-1, 2, (out_f, in_f // 32), generator=gen)).to(torch.uint8),
+            )
             continue
         probe = torch.empty(shape, device="meta")
         mean, std = _std_for(name, probe, "kimi_k3")
@@ -127,9 +155,16 @@ def quantization_config(ignore: list[str]) -> dict:
             "group_0": {
                 "format": "mxfp4-pack-quantized",
                 "targets": [EXPERT_TARGET],
-                "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
-                            "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8",
-                            "observer": "memoryless_minmax"},
+                "weights": {
+                    "num_bits": 4,
+                    "type": "float",
+                    "strategy": "group",
+                    "group_size": 32,
+                    "symmetric": True,
+                    "dynamic": False,
+                    "scale_dtype": "torch.uint8",
+                    "observer": "memoryless_minmax",
+                },
                 "input_activations": None,
                 "output_activations": None,
             }
@@ -140,8 +175,9 @@ def quantization_config(ignore: list[str]) -> dict:
     }
 
 
-def write_k3_mxfp4(out: str | os.PathLike, shape: K3Shape, *, shard_bytes: int = 512 << 20,
-                   seed: int = 0) -> dict:
+def write_k3_mxfp4(
+    out: str | os.PathLike, shape: K3Shape, *, shard_bytes: int = 512 << 20, seed: int = 0
+) -> dict:
     """Write the checkpoint to ``out`` (one shard in memory at a time); returns its sizes."""
     from safetensors.torch import save_file
 
@@ -180,8 +216,10 @@ def write_k3_mxfp4(out: str | os.PathLike, shape: K3Shape, *, shard_bytes: int =
         new = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         os.replace(out / old, out / new)
         final.append(new)
-    index = {"metadata": {"total_size": total},
-             "weight_map": {k: final[v] for k, v in weight_map.items()}}
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {k: final[v] for k, v in weight_map.items()},
+    }
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config.save_pretrained(out)
     cfg = json.loads((out / "config.json").read_text())

@@ -117,14 +117,18 @@ def build_mxfp4_checkpoint(
     )
 
 
-def build_plain_checkpoint(family: str, out: str | os.PathLike, *, seed: int = 0, **overrides) -> Fixture:
+def build_plain_checkpoint(
+    family: str, out: str | os.PathLike, *, seed: int = 0, **overrides
+) -> Fixture:
     """An unquantized bf16 checkpoint (single file) of ``family`` as transformers saves it."""
     from tiny_models import build_tiny
 
     out = Path(out)
     model, info = build_tiny(family, seed=seed, dtype=torch.bfloat16, **overrides)
     model.save_pretrained(out)
-    return Fixture(family, out, list(info.moe_blocks), info.num_experts, info.top_k, _count_key(family))
+    return Fixture(
+        family, out, list(info.moe_blocks), info.num_experts, info.top_k, _count_key(family)
+    )
 
 
 #: one expert projection of the Kimi source left unquantized (per-expert ``ignore`` name)
@@ -139,7 +143,9 @@ def build_sources(root: str | os.PathLike) -> dict:
     root = Path(root)
     fx = {
         "qwen3_moe": build_mxfp4_checkpoint("qwen3_moe", root / "qwen3_moe", max_shard_size="40KB"),
-        "deepseek_v3": build_mxfp4_checkpoint("deepseek_v3", root / "deepseek_v3", max_shard_size="60KB"),
+        "deepseek_v3": build_mxfp4_checkpoint(
+            "deepseek_v3", root / "deepseek_v3", max_shard_size="60KB"
+        ),
         "kimi_k3": build_mxfp4_checkpoint(
             "kimi_k3", root / "kimi_k3", max_shard_size="60KB", ignore_experts=[KIMI_IGNORED]
         ),
@@ -204,7 +210,11 @@ def write_synthetic_mxfp4(
             yield f"{b}.gate.weight", rnd_bf16(num_experts, hidden)
             yield f"{b}.gate.e_score_correction_bias", torch.randn(num_experts, generator=gen)
             for e in range(num_experts):
-                for proj, (o, i) in (("w1", (inter, hidden)), ("w2", (hidden, inter)), ("w3", (inter, hidden))):
+                for proj, (o, i) in (
+                    ("w1", (inter, hidden)),
+                    ("w2", (hidden, inter)),
+                    ("w3", (inter, hidden)),
+                ):
                     yield f"{b}.experts.{e}.{proj}.weight_packed", rnd_u8(o, i // 2)
                     yield f"{b}.experts.{e}.{proj}.weight_scale", rnd_u8(o, i // 32)
             yield f"{b}.shared_experts.down_proj.weight", rnd_bf16(hidden, inter)
@@ -235,7 +245,10 @@ def write_synthetic_mxfp4(
         new = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         os.replace(out / old, out / new)
         final[i] = new
-    index = {"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}}
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {k: final[v] for k, v in weight_map.items()},
+    }
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     qc = {
         "quant_method": "compressed-tensors",
@@ -245,8 +258,15 @@ def write_synthetic_mxfp4(
             "group_0": {
                 "format": "mxfp4-pack-quantized",
                 "targets": [r"re:.*\.experts\.\d+\.(w1|w2|w3)$"],
-                "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
-                            "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"},
+                "weights": {
+                    "num_bits": 4,
+                    "type": "float",
+                    "strategy": "group",
+                    "group_size": 32,
+                    "symmetric": True,
+                    "dynamic": False,
+                    "scale_dtype": "torch.uint8",
+                },
             }
         },
         "ignore": ["language_model.lm_head"],
@@ -267,7 +287,12 @@ def write_synthetic_mxfp4(
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "tokenizer_config.json").write_text("{}")
     blocks = [f"{prefix}.layers.{i}.{container}" for i in range(dense_layers, num_layers)]
-    return {"blocks": blocks, "num_experts": num_experts, "shards": list(final.values()), "bytes": total}
+    return {
+        "blocks": blocks,
+        "num_experts": num_experts,
+        "shards": list(final.values()),
+        "bytes": total,
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -293,7 +318,9 @@ def tensor_sha256(path: str | os.PathLike) -> dict[str, str]:
         with safe_open(str(f), framework="pt") as st:
             for k in st.keys():
                 t = st.get_tensor(k).contiguous()
-                out[k] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+                out[k] = hashlib.sha256(
+                    t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+                ).hexdigest()
     return out
 
 
@@ -349,7 +376,7 @@ def add_mtp_layer(path: str | os.PathLike, from_block: str, layer_index: int) ->
     new = {}
     for k, t in tensors.items():
         if k.startswith(src_layer + "."):
-            new[new_layer + k[len(src_layer):]] = t.clone()
+            new[new_layer + k[len(src_layer) :]] = t.clone()
     save_file(new, str(path / "model-mtp.safetensors"), metadata={"format": "pt"})
     for k in new:
         index["weight_map"][k] = "model-mtp.safetensors"
@@ -407,7 +434,7 @@ def mask_routing(model: torch.nn.Module, block_kept: dict[str, list[int]]) -> No
     """
     for prefix, kept in block_kept.items():
         block = model.get_submodule(prefix)
-        router = getattr(block, "gate", None) or getattr(block, "router")
+        router = getattr(block, "gate", None) or block.router
         E = router.weight.shape[0]
         dropped = [i for i in range(E) if i not in set(kept)]
         bias = getattr(router, "e_score_correction_bias", None)
@@ -418,12 +445,14 @@ def mask_routing(model: torch.nn.Module, block_kept: dict[str, list[int]]) -> No
         # hooks, not a forward override (compressed-tensors wraps forward on decompress)
         mode = _MaskRouterLogits(router.weight, dropped)
         router.register_forward_pre_hook(lambda mod, args, _m=mode: _m.__enter__() and None)
-        router.register_forward_hook(lambda mod, args, out, _m=mode: _m.__exit__(None, None, None) and None)
+        router.register_forward_hook(
+            lambda mod, args, out, _m=mode: _m.__exit__(None, None, None) and None
+        )
 
 
 def _experts_in(model, prefix: str) -> int:
     block = model.get_submodule(prefix)
-    router = getattr(block, "gate", None) or getattr(block, "router")
+    router = getattr(block, "gate", None) or block.router
     return int(router.weight.shape[0])
 
 
@@ -464,13 +493,17 @@ def _reload_main(cases_file: str) -> None:
     print("RELOAD-RESULTS " + json.dumps(results))
 
 
-def reload_check(cases: list[dict], tmp_dir: str | os.PathLike, timeout: int = 300) -> dict[str, dict]:
+def reload_check(
+    cases: list[dict], tmp_dir: str | os.PathLike, timeout: int = 300
+) -> dict[str, dict]:
     """Reload each ``{"family", "src", "dst", "block_kept", "name"}`` case in ONE fresh
     Python process; returns name -> result (max_abs_diff vs the masked oracle, ...)."""
     cases_file = Path(tmp_dir) / "reload_cases.json"
     cases_file.write_text(json.dumps(cases))
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(HERE), str(HERE.parent / "src"), env.get("PYTHONPATH", "")]
+    )
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "reload-check", str(cases_file)],
         capture_output=True,
@@ -480,8 +513,10 @@ def reload_check(cases: list[dict], tmp_dir: str | os.PathLike, timeout: int = 3
     )
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RELOAD-RESULTS ")), None)
     if proc.returncode != 0 or line is None:
-        raise AssertionError(f"reload subprocess failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return {r["name"]: r for r in json.loads(line[len("RELOAD-RESULTS "):])}
+        raise AssertionError(
+            f"reload subprocess failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+    return {r["name"]: r for r in json.loads(line[len("RELOAD-RESULTS ") :])}
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -202,9 +202,7 @@ def _sigmoid(v: float) -> float:
     return z / (1.0 + z)
 
 
-def reference_routing(
-    family: str, block, hidden: torch.Tensor, dropped: Iterable[int] = ()
-):
+def reference_routing(family: str, block, hidden: torch.Tensor, dropped: Iterable[int] = ()):
     """Float64 top-k routing recomputed from the router parameters.
 
     Returns ``(ids long [N,k], weights f64 [N,k])``, each row ordered by
@@ -262,9 +260,7 @@ def reference_routing(
                     else:
                         top2 = sorted((c[e] for e in members), reverse=True)[:2]
                         gscore.append(top2[0] + top2[1])
-                groups = sorted(range(G), key=lambda g: (-gscore[g], g))[
-                    : spec["topk_group"]
-                ]
+                groups = sorted(range(G), key=lambda g: (-gscore[g], g))[: spec["topk_group"]]
                 cands = [e for e in kept if e // size in groups]
             else:
                 cands = kept
@@ -430,7 +426,9 @@ def reference_block_output(
     outs = {}
     for e in sorted(set(ids.flatten().tolist())):
         outs[e] = reference_expert_output(family, block, e, x)
-    y = torch.zeros(N, outs[next(iter(outs))].shape[-1] if outs else x.shape[-1], dtype=torch.float64)
+    y = torch.zeros(
+        N, outs[next(iter(outs))].shape[-1] if outs else x.shape[-1], dtype=torch.float64
+    )
     for t in range(N):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
@@ -480,9 +478,7 @@ def _capture_block_inputs(model, names: list[str]):
     try:
         for n in names:
             handles.append(
-                model.get_submodule(n).register_forward_pre_hook(
-                    make(n), with_kwargs=True
-                )
+                model.get_submodule(n).register_forward_pre_hook(make(n), with_kwargs=True)
             )
         yield store
     finally:
@@ -545,15 +541,17 @@ def brute_force_stats(
         sr = [0.0] * E
         mx = [0.0] * E
         for hidden in store[name]:
-            ref_ids, ref_w = reference_routing(
-                family, block, hidden, (dropped or {}).get(name, ())
-            )
+            ref_ids, ref_w = reference_routing(family, block, hidden, (dropped or {}).get(name, ()))
             if check_native or routing == "native":
                 nat_ids, nat_w = native_routing(family, block, hidden)
             if check_native and not routing_sets_equal(ref_ids, nat_ids):
                 bad = (
-                    torch.sort(ref_ids, -1).values != torch.sort(nat_ids, -1).values
-                ).any(-1).nonzero().flatten().tolist()
+                    (torch.sort(ref_ids, -1).values != torch.sort(nat_ids, -1).values)
+                    .any(-1)
+                    .nonzero()
+                    .flatten()
+                    .tolist()
+                )
                 raise AssertionError(
                     f"{name}: reference and native routing disagree on tokens {bad}"
                 )
@@ -660,9 +658,7 @@ def masked_router_forward(family: str, router, dropped: Iterable[int]):
             mask = mask_cpu.to(scores.device)
             scores_for_choice = scores_for_choice.masked_fill(mask, ninf)
             n_group, per = router.num_group, router.num_experts // router.num_group
-            group_scores = (
-                scores_for_choice.view(-1, n_group, per).topk(2, dim=-1)[0].sum(dim=-1)
-            )
+            group_scores = scores_for_choice.view(-1, n_group, per).topk(2, dim=-1)[0].sum(dim=-1)
             group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
             group_mask = torch.zeros_like(group_scores)
             group_mask.scatter_(1, group_idx, 1)
@@ -835,10 +831,19 @@ def reference_prune(model, family: str, dropped: Mapping[str, Iterable[int]]):
                 new_list.num_experts = len(keep)
             block.experts = new_list
         else:
-            for pname in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias", "up_proj", "up_proj_bias"):
+            for pname in (
+                "gate_up_proj",
+                "down_proj",
+                "gate_up_proj_bias",
+                "down_proj_bias",
+                "up_proj",
+                "up_proj_bias",
+            ):
                 p = getattr(experts, pname, None)
                 if isinstance(p, torch.Tensor):
-                    setattr(experts, pname, torch.nn.Parameter(p.data[kt].clone(), requires_grad=False))
+                    setattr(
+                        experts, pname, torch.nn.Parameter(p.data[kt].clone(), requires_grad=False)
+                    )
             experts.num_experts = len(keep)
         for attr in ("num_experts", "experts_per_rank"):
             if hasattr(block, attr) and isinstance(getattr(block, attr), int):

@@ -42,11 +42,12 @@ def accumulate(
     """Add ``(source, ids, weights, norms)`` batches to every layer (same routing per
     layer, shifted by the layer index so layers differ)."""
     if scores is None:
-        scores = ExpertScores.empty(layers, num_experts, {**META, **(metadata or {}),
-                                                          "num_moe_layers": len(layers)})
+        scores = ExpertScores.empty(
+            layers, num_experts, {**META, **(metadata or {}), "num_moe_layers": len(layers)}
+        )
         scores.metadata["tokens"] = {}
     for source, ids, weights, norms in batches:
-        for li, (layer, st) in enumerate(scores.layers.items()):
+        for li, (_layer, st) in enumerate(scores.layers.items()):
             flat = ((ids + li) % num_experts).reshape(-1)
             g, n = weights.reshape(-1), norms.reshape(-1)
             st["count"].index_add_(0, flat, torch.ones_like(g))
@@ -91,8 +92,12 @@ def from_saliency(
         st["max_norm"] = torch.where(total > 0, torch.full_like(v, 3.0), torch.zeros_like(v))
         layers[layer] = st
     num_experts = len(next(iter(saliency.values())))
-    meta = {**META, "num_experts": num_experts, "num_moe_layers": len(layers),
-            "tokens": tokens or {"default": 1}}
+    meta = {
+        **META,
+        "num_experts": num_experts,
+        "num_moe_layers": len(layers),
+        "tokens": tokens or {"default": 1},
+    }
     meta.update(metadata or {})
     return ExpertScores(layers=layers, metadata=meta).validate()
 
@@ -101,15 +106,24 @@ def big_scores(num_layers: int = 92, num_experts: int = 896, seed: int = 0) -> E
     """A K3-sized calibration file (92 x 896) with realistic-looking statistics."""
     g = torch.Generator().manual_seed(seed)
     names = [f"language_model.model.layers.{i + 1}.block_sparse_moe" for i in range(num_layers)]
-    s = ExpertScores.empty(names, num_experts, {
-        "model_class": "KimiK3ForConditionalGeneration", "top_k": 16, "n_group": 1,
-        "topk_group": 1, "num_moe_layers": num_layers,
-        "tokens": {"en": 1_420_000, "zh": 500_000},
-    })
+    s = ExpertScores.empty(
+        names,
+        num_experts,
+        {
+            "model_class": "KimiK3ForConditionalGeneration",
+            "top_k": 16,
+            "n_group": 1,
+            "topk_group": 1,
+            "num_moe_layers": num_layers,
+            "tokens": {"en": 1_420_000, "zh": 500_000},
+        },
+    )
     for st in s.layers.values():
         en = torch.poisson(torch.full((num_experts,), 25_000.0), generator=g)
-        zh = torch.poisson(torch.full((num_experts,), 9_000.0) * torch.rand(num_experts, generator=g) * 2,
-                           generator=g)
+        zh = torch.poisson(
+            torch.full((num_experts,), 9_000.0) * torch.rand(num_experts, generator=g) * 2,
+            generator=g,
+        )
         count = (en + zh).double()
         st["count"] = count
         st["count@en"] = en.double()

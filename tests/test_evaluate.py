@@ -102,7 +102,10 @@ def test_reference_runs_once_per_chunk_and_without_reference_no_agreement():
     assert "kl" not in r2["b"] and "top1_agreement" not in r2["b"]
     assert r2["b"]["nll"] == pytest.approx(r["b"]["nll"])
     single = evaluate_model(b, w, reference_model=a)
-    assert single["kl"] == pytest.approx(r["b"]["kl"]) and single["top1_agreement"] == r["b"]["top1_agreement"]
+    assert (
+        single["kl"] == pytest.approx(r["b"]["kl"])
+        and single["top1_agreement"] == r["b"]["top1_agreement"]
+    )
 
 
 def test_kl_is_direction_unpruned_to_pruned():

@@ -22,8 +22,8 @@ from badinput import snapshot
 from mxfp4_fixtures import write_synthetic_mxfp4
 
 from reap_modifier.checkpoint import rewrite_checkpoint, work_dir_kind
-from reap_modifier.scores.plan import PruningPlan
 from reap_modifier.checkpoint.verify import verify_checkpoint
+from reap_modifier.scores.plan import PruningPlan
 
 HERE = Path(__file__).resolve().parent
 KEEP_NEW = [0, 2, 3, 5, 8, 9, 12, 15]
@@ -35,16 +35,25 @@ def ckpt(tmp_path_factory):
     """A Kimi-K3-named MXFP4 checkpoint of 8 small shards, a plan file, its snapshot."""
     root = tmp_path_factory.mktemp("interrupt")
     info = write_synthetic_mxfp4(root / "src", num_layers=3, num_experts=16, shard_bytes=48 << 10)
-    plan = PruningPlan(kept={b: KEEP_NEW for b in info["blocks"]}, num_experts=16, saliency="manual")
+    plan = PruningPlan(
+        kept={b: KEEP_NEW for b in info["blocks"]}, num_experts=16, saliency="manual"
+    )
     plan.save(root / "plan.json")
     old = PruningPlan(kept={b: KEEP_OLD for b in info["blocks"]}, num_experts=16, saliency="manual")
-    return {"src": root / "src", "plan": root / "plan.json", "old_plan": old, "snap": snapshot(root / "src"),
-            "shards": info["shards"]}
+    return {
+        "src": root / "src",
+        "plan": root / "plan.json",
+        "old_plan": old,
+        "snap": snapshot(root / "src"),
+        "shards": info["shards"],
+    }
 
 
 def _env(pause: str | None, marker: Path) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), str(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(HERE.parent / "src"), str(HERE), env.get("PYTHONPATH", "")]
+    )
     env["REAP_SHA256_CACHE"] = "0"
     env["REAP_CHUNK_MB"] = "0.01"  # ~10 KiB chunks: a shard takes several writes
     env.pop("REAP_TEST_PAUSE_AT", None)
@@ -57,14 +66,28 @@ def _env(pause: str | None, marker: Path) -> dict:
 class Run:
     """``reap prune SRC --plan PLAN --out DST -q [--force]`` in a new process."""
 
-    def __init__(self, ckpt, dst: Path, *, pause: str | None = None, force: bool = False, name: str = "run"):
+    def __init__(
+        self, ckpt, dst: Path, *, pause: str | None = None, force: bool = False, name: str = "run"
+    ):
         self.dst = dst
         self.marker = dst.parent / f"{name}.paused"
         self.log = dst.parent / f"{name}.log"
-        args = [sys.executable, "-m", "reap_modifier.cli", "prune", str(ckpt["src"]), "--plan", str(ckpt["plan"]),
-                "--out", str(dst), "-q"] + (["--force"] if force else [])
+        args = [
+            sys.executable,
+            "-m",
+            "reap_modifier.cli",
+            "prune",
+            str(ckpt["src"]),
+            "--plan",
+            str(ckpt["plan"]),
+            "--out",
+            str(dst),
+            "-q",
+        ] + (["--force"] if force else [])
         self._log = open(self.log, "w")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=_env(pause, self.marker))
+        self.proc = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, env=_env(pause, self.marker)
+        )
 
     def wait_paused(self, timeout: float = 120) -> str:
         deadline = time.monotonic() + timeout
@@ -72,7 +95,9 @@ class Run:
             if self.marker.exists() and self.marker.read_text().endswith("\n"):
                 return self.marker.read_text().split()[1]
             if self.proc.poll() is not None:
-                raise AssertionError(f"reap prune exited ({self.proc.returncode}) before pausing:\n{self.output()}")
+                raise AssertionError(
+                    f"reap prune exited ({self.proc.returncode}) before pausing:\n{self.output()}"
+                )
             time.sleep(0.02)
         raise AssertionError(f"reap prune did not reach its pause point:\n{self.output()}")
 
@@ -97,7 +122,9 @@ class Run:
 
 
 def _work_dirs(dst: Path) -> list[Path]:
-    return sorted(p for p in dst.parent.iterdir() if work_dir_kind(p) and p.name.startswith(f".{dst.name}."))
+    return sorted(
+        p for p in dst.parent.iterdir() if work_dir_kind(p) and p.name.startswith(f".{dst.name}.")
+    )
 
 
 def _accepted(path: Path) -> bool:
@@ -112,7 +139,16 @@ def _rerun_in_process(ckpt, dst: Path, *, force: bool) -> str:
     lines: list[str] = []
     sink = logger.add(lambda m: lines.append(str(m)), level="WARNING")
     try:
-        res = cli("prune", ckpt["src"], "--plan", ckpt["plan"], "--out", dst, "-q", *(["--force"] if force else []))
+        res = cli(
+            "prune",
+            ckpt["src"],
+            "--plan",
+            ckpt["plan"],
+            "--out",
+            dst,
+            "-q",
+            *(["--force"] if force else []),
+        )
     finally:
         logger.remove(sink)
     assert res.exit_code == 0, res.output
@@ -178,7 +214,9 @@ def _exchange_supported(d: Path) -> bool:
 def test_sigkill_then_rerun(ckpt, paused, name):
     point, previous = PAUSED[name]
     if point == "swapped" and not _exchange_supported(paused["runs"][name].dst.parent):
-        pytest.skip("this filesystem has no renameat2(RENAME_EXCHANGE): two renames, no 'swapped' point")
+        pytest.skip(
+            "this filesystem has no renameat2(RENAME_EXCHANGE): two renames, no 'swapped' point"
+        )
     run, before = paused["runs"][name], paused["previous"][name]
     dst = run.dst
     assert run.wait_paused() == point
@@ -206,7 +244,9 @@ def test_sigkill_then_rerun(ckpt, paused, name):
     assert snapshot(ckpt["src"]) == ckpt["snap"]
 
 
-@pytest.mark.parametrize("name, sig", [("int-first-shard", signal.SIGINT), ("term-mid", signal.SIGTERM)])
+@pytest.mark.parametrize(
+    "name, sig", [("int-first-shard", signal.SIGINT), ("term-mid", signal.SIGTERM)]
+)
 def test_interrupt_is_clean(ckpt, paused, name, sig):
     """Ctrl-C (SIGINT) or SIGTERM: one clear line, no traceback, exit 130, nothing left."""
     run = paused["runs"][name]
@@ -239,15 +279,22 @@ def test_concurrent_run_into_the_same_output_is_refused(ckpt, paused):
     dst = first.dst
     first.wait_paused()
     second = cli("prune", ckpt["src"], "--plan", ckpt["plan"], "--out", dst, "-q")
-    assert_clean_error(second, 2, ["another reap prune", f"pid {first.proc.pid}", str(dst), "rerun"])
+    assert_clean_error(
+        second, 2, ["another reap prune", f"pid {first.proc.pid}", str(dst), "rerun"]
+    )
     forced = cli("prune", ckpt["src"], "--plan", ckpt["plan"], "--out", dst, "-q", "--force")
-    assert_clean_error(forced, 2, ["another reap prune", f"pid {first.proc.pid}"])  # --force does not break in
+    assert_clean_error(
+        forced, 2, ["another reap prune", f"pid {first.proc.pid}"]
+    )  # --force does not break in
     first.resume()
     assert first.finish() == 0, first.output()
     _assert_new_output(ckpt, dst)
     # and once it is done, a third run is refused as usual (non-empty output without --force)
-    assert_clean_error(cli("prune", ckpt["src"], "--plan", ckpt["plan"], "--out", dst, "-q"), 2,
-                       ["exists and is a non-empty directory", "--force"])
+    assert_clean_error(
+        cli("prune", ckpt["src"], "--plan", ckpt["plan"], "--out", dst, "-q"),
+        2,
+        ["exists and is a non-empty directory", "--force"],
+    )
 
 
 def test_two_simultaneous_runs(ckpt, tmp_path):
@@ -260,13 +307,17 @@ def test_two_simultaneous_runs(ckpt, tmp_path):
     assert sorted(codes) == [0, 2], outs
     loser = outs[codes.index(2)]
     assert "Traceback" not in loser
-    assert ("another reap prune" in loser) or ("exists and is a non-empty directory" in loser), loser
+    assert ("another reap prune" in loser) or ("exists and is a non-empty directory" in loser), (
+        loser
+    )
     _assert_new_output(ckpt, dst)
     assert _work_dirs(dst) == []
     assert snapshot(ckpt["src"]) == ckpt["snap"]
 
 
-def test_without_atomic_exchange_an_orphaned_previous_output_is_put_back(ckpt, tmp_path, monkeypatch):
+def test_without_atomic_exchange_an_orphaned_previous_output_is_put_back(
+    ckpt, tmp_path, monkeypatch
+):
     """Where no atomic exchange exists, ``--force`` swaps with two renames; a run killed
     between them leaves DST absent and the previous output as ``.DST.reap-old-*``: the
     next run puts it back before writing (and then replaces it, as asked)."""
@@ -275,7 +326,14 @@ def test_without_atomic_exchange_an_orphaned_previous_output_is_put_back(ckpt, t
     monkeypatch.setattr(destination, "_rename_exchange", lambda a, b: False)
     dst = tmp_path / "out"
     before = _previous_output(ckpt, dst)
-    rewrite_checkpoint(ckpt["src"], PruningPlan.load(ckpt["plan"]), dst, force=True, progress=False, hash_cache=False)
+    rewrite_checkpoint(
+        ckpt["src"],
+        PruningPlan.load(ckpt["plan"]),
+        dst,
+        force=True,
+        progress=False,
+        hash_cache=False,
+    )
     _assert_new_output(ckpt, dst)  # the two-rename swap works
     orphan = destination.work_path(dst, "old")
     os.rename(dst, orphan)  # the state a kill between the two renames leaves
@@ -307,7 +365,9 @@ def test_filesystem_without_locks(ckpt, tmp_path, monkeypatch):
     lines: list[str] = []
     sink = logger.add(lambda m: lines.append(str(m)), level="WARNING")
     try:
-        rewrite_checkpoint(ckpt["src"], PruningPlan.load(ckpt["plan"]), dst, progress=False, hash_cache=False)
+        rewrite_checkpoint(
+            ckpt["src"], PruningPlan.load(ckpt["plan"]), dst, progress=False, hash_cache=False
+        )
     finally:
         logger.remove(sink)
     _assert_new_output(ckpt, dst)

@@ -12,8 +12,8 @@ from tiny_models import build_tiny
 
 from reap_modifier import REAPPruningModifier
 from reap_modifier.models import NoMoEError
-from reap_modifier.scores.plan import PlanError
 from reap_modifier.scores import ExpertScores
+from reap_modifier.scores.plan import PlanError
 
 RECIPES = Path(__file__).parent.parent / "recipes"
 
@@ -22,9 +22,12 @@ def _oneshot(model, recipe, tokenizer, vocab=128, **kwargs):
     from llmcompressor import oneshot
 
     return oneshot(
-        model=model, recipe=recipe, processor=tokenizer,
+        model=model,
+        recipe=recipe,
+        processor=tokenizer,
         dataset=make_dataset(calibration_samples(vocab, n=4, seed=2)),
-        num_calibration_samples=4, **kwargs,
+        num_calibration_samples=4,
+        **kwargs,
     )
 
 
@@ -77,13 +80,19 @@ def test_upstream_recipe_gives_upstream_report_shape(tmp_path, tokenizer, monkey
         if cls is None:
             recipe = text
         else:
-            recipe = [cls(sparsity=0.25, ignore=["lm_head"], report_path="out/reap/retained_experts.json")]
+            recipe = [
+                cls(sparsity=0.25, ignore=["lm_head"], report_path="out/reap/retained_experts.json")
+            ]
         _oneshot(model, recipe, tokenizer)
         reports[label] = json.loads(Path("out/reap/retained_experts.json").read_text())
     ours, upstream = reports["ours"], reports["upstream"]
     assert set(ours) == set(upstream)
     for layer in ours:
-        assert len(ours[layer]) == len(upstream[layer]) == info.num_experts - round(0.25 * info.num_experts)
+        assert (
+            len(ours[layer])
+            == len(upstream[layer])
+            == info.num_experts - round(0.25 * info.num_experts)
+        )
         assert all(isinstance(i, int) for i in ours[layer])
         assert ours[layer] == sorted(ours[layer])
 
@@ -130,13 +139,32 @@ def _assert_nothing_written(tmp_path):
     [
         ("kimi_k3", {}, {"num_experts_to_keep": 3}, PlanError, "fewer than top_k=4"),
         ("kimi_k3", {}, {"sparsity": 0.9}, PlanError, "fewer than top_k=4"),
-        ("kimi_k3", {"num_expert_group": 4, "topk_group": 2}, {"num_experts_to_keep": 4},
-         PlanError, "only 2 experts are reachable"),
-        ("kimi_k3", {}, {"num_experts_to_keep": 6, "divisible_by": 8}, PlanError, "rounds down to 0"),
-        ("kimi_k3", {}, {"sparsity": 0.5, "ignore": [r"layers\.1\."]}, ValueError, "leave 1 MoE layers unpruned"),
+        (
+            "kimi_k3",
+            {"num_expert_group": 4, "topk_group": 2},
+            {"num_experts_to_keep": 4},
+            PlanError,
+            "only 2 experts are reachable",
+        ),
+        (
+            "kimi_k3",
+            {},
+            {"num_experts_to_keep": 6, "divisible_by": 8},
+            PlanError,
+            "rounds down to 0",
+        ),
+        (
+            "kimi_k3",
+            {},
+            {"sparsity": 0.5, "ignore": [r"layers\.1\."]},
+            ValueError,
+            "leave 1 MoE layers unpruned",
+        ),
     ],
 )
-def test_bad_plans_fail_before_calibration(tmp_path, tokenizer, family, overrides, kwargs, error, message):
+def test_bad_plans_fail_before_calibration(
+    tmp_path, tokenizer, family, overrides, kwargs, error, message
+):
     model, _ = build_tiny(family, seed=23, **overrides)
     model = save_and_reload(model, family, tmp_path / "src")
     modifier = REAPPruningModifier(**kwargs, **_outputs(tmp_path))
@@ -149,8 +177,15 @@ def test_bad_plans_fail_before_calibration(tmp_path, tokenizer, family, override
 def test_model_without_moe_names_its_class(tmp_path, tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=1, num_attention_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+        )
+    )
     model.save_pretrained(tmp_path / "llama")
     model = LlamaForCausalLM.from_pretrained(tmp_path / "llama")
     with pytest.raises(NoMoEError, match="LlamaForCausalLM has no MoE layer"):

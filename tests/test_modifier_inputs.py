@@ -11,9 +11,9 @@ from pydantic import ValidationError
 from tiny_models import build_tiny, reload_class
 
 from reap_modifier import REAPPruningModifier
+from reap_modifier.scores import ExpertScores
 from reap_modifier.scores.keep_count import compute_keep_count
 from reap_modifier.scores.plan import PruningPlan, plan_from_scores
-from reap_modifier.scores import ExpertScores
 
 
 def _oneshot(model, modifier, tokenizer, data=True):
@@ -21,7 +21,9 @@ def _oneshot(model, modifier, tokenizer, data=True):
 
     kwargs = {}
     if data:
-        kwargs = dict(dataset=make_dataset(calibration_samples(128, n=6, seed=9)), num_calibration_samples=6)
+        kwargs = dict(
+            dataset=make_dataset(calibration_samples(128, n=6, seed=9)), num_calibration_samples=6
+        )
     oneshot(model=model, recipe=[modifier], processor=tokenizer, **kwargs)
     return modifier
 
@@ -60,8 +62,10 @@ def test_scores_in_cuts_another_tier(calibrated, tokenizer):
     expected = plan_from_scores(scores, num_experts_to_keep=12)
     model = _fresh(src)
     modifier = _oneshot(
-        model, REAPPruningModifier(num_experts_to_keep=12, scores_in=str(root / "s.safetensors")),
-        tokenizer, data=False,
+        model,
+        REAPPruningModifier(num_experts_to_keep=12, scores_in=str(root / "s.safetensors")),
+        tokenizer,
+        data=False,
     )
     assert modifier.plan.kept == expected.kept
     assert all(len(v) == 12 for v in modifier.plan.kept.values())
@@ -72,8 +76,10 @@ def test_plan_in_applies_the_plan(calibrated, tokenizer, tmp_path):
     model = _fresh(src)
     manifest = tmp_path / "m.json"
     modifier = _oneshot(
-        model, REAPPruningModifier(plan_in=str(root / "plan.json"), manifest_path=str(manifest)),
-        tokenizer, data=False,
+        model,
+        REAPPruningModifier(plan_in=str(root / "plan.json"), manifest_path=str(manifest)),
+        tokenizer,
+        data=False,
     )
     assert modifier.plan.kept == plan.kept
     layer = model.language_model.model.layers[1].block_sparse_moe
@@ -87,12 +93,15 @@ def test_weight_baselines_rank_by_router_rows(calibrated, tokenizer, method, tmp
     _, src, _ = calibrated
     model = _fresh(src)
     layers = {
-        f"language_model.model.layers.{i}.block_sparse_moe": model.language_model.model.layers[i].block_sparse_moe
+        f"language_model.model.layers.{i}.block_sparse_moe": model.language_model.model.layers[
+            i
+        ].block_sparse_moe
         for i in (1, 2)
     }
     rows = {name: block.gate.weight.detach().double().clone() for name, block in layers.items()}
-    modifier = REAPPruningModifier(sparsity=0.5, saliency=method, seed=3,
-                                   scores_path=str(tmp_path / "w.safetensors"))
+    modifier = REAPPruningModifier(
+        sparsity=0.5, saliency=method, seed=3, scores_path=str(tmp_path / "w.safetensors")
+    )
     assert modifier.requires_calibration_data is False
     _oneshot(model, modifier, tokenizer, data=False)
     for name, w in rows.items():
@@ -107,8 +116,12 @@ def test_weight_baselines_rank_by_router_rows(calibrated, tokenizer, method, tmp
     saved = ExpertScores.load(tmp_path / "w.safetensors")
     assert saved.metadata["kind"] == "weights" and saved.metadata["method"] == method
     if method == "random":  # seeded: the same cut twice
-        again = _oneshot(_fresh(src), REAPPruningModifier(sparsity=0.5, saliency="random", seed=3),
-                         tokenizer, data=False)
+        again = _oneshot(
+            _fresh(src),
+            REAPPruningModifier(sparsity=0.5, saliency="random", seed=3),
+            tokenizer,
+            data=False,
+        )
         assert again.plan.kept == modifier.plan.kept
 
 
@@ -117,8 +130,12 @@ def test_scores_from_another_model_are_refused(calibrated, tokenizer, tmp_path):
     other, _ = build_tiny("kimi_k3", seed=99)
     other = save_and_reload(other, "kimi_k3", tmp_path / "other")
     with pytest.raises(ValueError, match="model_fingerprint mismatch"):
-        _oneshot(other, REAPPruningModifier(sparsity=0.5, scores_in=str(root / "s.safetensors")),
-                 tokenizer, data=False)
+        _oneshot(
+            other,
+            REAPPruningModifier(sparsity=0.5, scores_in=str(root / "s.safetensors")),
+            tokenizer,
+            data=False,
+        )
     assert other.config.text_config.num_experts == 16
 
 
@@ -127,8 +144,14 @@ def test_scores_from_another_model_are_refused(calibrated, tokenizer, tmp_path):
     [
         ({"plan_in": "PLAN", "sparsity": 0.5}, "plan_in fixes the kept experts; remove sparsity"),
         ({"scores_in": "nope.safetensors", "sparsity": 0.5}, "does not exist"),
-        ({"scores_in": "SCORES", "sparsity": 0.5, "saliency": "router_l1"}, "computed from router weights"),
-        ({"scores_in": "SCORES", "sparsity": 0.5, "scores_path": "x.safetensors"}, "nothing is calibrated"),
+        (
+            {"scores_in": "SCORES", "sparsity": 0.5, "saliency": "router_l1"},
+            "computed from router weights",
+        ),
+        (
+            {"scores_in": "SCORES", "sparsity": 0.5, "scores_path": "x.safetensors"},
+            "nothing is calibrated",
+        ),
     ],
 )
 def test_invalid_input_combinations(calibrated, kwargs, message):
@@ -143,4 +166,6 @@ def test_plan_from_scores_uses_the_modifier_keep_rule(calibrated):
     root, _, plan = calibrated
     scores = ExpertScores.load(root / "s.safetensors")
     keep = compute_keep_count(16, 4, sparsity=0.5)
-    assert PruningPlan.from_saliency(scores.saliency("reap"), keep, criterion="reap").kept == plan.kept
+    assert (
+        PruningPlan.from_saliency(scores.saliency("reap"), keep, criterion="reap").kept == plan.kept
+    )

@@ -10,11 +10,10 @@ from __future__ import annotations
 import copy
 import math
 
-import pytest
-import torch
-
 import oracles as O
+import pytest
 import tiny_models as TM
+import torch
 
 # (id, family, overrides)
 VARIANTS = [(f, f, {}) for f in TM.ALL_FAMILIES] + [
@@ -92,7 +91,13 @@ def test_build_and_forward(built, vid):
 
 def test_families_tuple():
     assert TM.FAMILIES == (
-        "kimi_k3", "deepseek_v3", "qwen3_moe", "olmoe", "mixtral", "glm4_moe", "gpt_oss",
+        "kimi_k3",
+        "deepseek_v3",
+        "qwen3_moe",
+        "olmoe",
+        "mixtral",
+        "glm4_moe",
+        "gpt_oss",
     )
     assert set(TM.ALL_FAMILIES) == set(TM.FAMILIES) | {"kimi_linear"}
 
@@ -272,7 +277,9 @@ def test_brute_force_stats_properties(built, vid):
             assert v.dtype == torch.float64 and v.shape == (info.num_experts,), k
         assert float(st["count"].sum()) == (12 + 8) * info.top_k
         routed = st["count"] > 0
-        assert torch.all(st["max_norm"][routed] * st["count"][routed] >= st["sum_norm"][routed] - 1e-12)
+        assert torch.all(
+            st["max_norm"][routed] * st["count"][routed] >= st["sum_norm"][routed] - 1e-12
+        )
         assert torch.all(st["sum_norm"][~routed] == 0)
         s = O.reap_saliency(st)
         assert torch.all(s[~routed] == 0) and torch.all(s[routed] > 0)

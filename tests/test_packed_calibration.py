@@ -39,9 +39,15 @@ def run_reap(model, tokenizer, dataset, *, calibrate_all=False, output_dir=None,
     from llmcompressor import oneshot
 
     modifier = REAPPruningModifier(sparsity=0.5, **fields)
-    out = oneshot(model=model, recipe=[modifier], processor=tokenizer, dataset=dataset,
-                  num_calibration_samples=len(dataset), moe_calibrate_all_experts=calibrate_all,
-                  output_dir=output_dir)
+    out = oneshot(
+        model=model,
+        recipe=[modifier],
+        processor=tokenizer,
+        dataset=dataset,
+        num_calibration_samples=len(dataset),
+        moe_calibrate_all_experts=calibrate_all,
+        output_dir=output_dir,
+    )
     return modifier, out
 
 
@@ -51,19 +57,24 @@ def assert_same_scores(got, ref, rtol=1e-6):
     for layer, stats in ref.layers.items():
         assert set(got.layers[layer]) == set(stats), layer
         for name, value in stats.items():
-            torch.testing.assert_close(got.layers[layer][name], value, rtol=rtol, atol=0,
-                                       msg=f"{layer} {name}")
+            torch.testing.assert_close(
+                got.layers[layer][name], value, rtol=rtol, atol=0, msg=f"{layer} {name}"
+            )
     assert got.total_tokens() == ref.total_tokens() > 0
 
 
 def expert_linears(model):
-    return [m for n, m in model.named_modules() if ".experts.0." in n and isinstance(m, torch.nn.Linear)]
+    return [
+        m for n, m in model.named_modules() if ".experts.0." in n and isinstance(m, torch.nn.Linear)
+    ]
 
 
 def still_packed(model) -> bool:
     mods = expert_linears(model)
     return bool(mods) and all(
-        "weight_packed" in m._parameters and "weight" not in m.__dict__ and "weight" not in m._parameters
+        "weight_packed" in m._parameters
+        and "weight" not in m.__dict__
+        and "weight" not in m._parameters
         for m in mods
     )
 
@@ -74,8 +85,13 @@ _DENSE: dict = {}
 def dense_reference(family, checkpoints, tokenizer, data, calibrate_all=False):
     key = (family, calibrate_all)
     if key not in _DENSE:
-        modifier, out = run_reap(str(checkpoints[family].path), tokenizer, data,
-                                 calibrate_all=calibrate_all, dequantize="model")
+        modifier, out = run_reap(
+            str(checkpoints[family].path),
+            tokenizer,
+            data,
+            calibrate_all=calibrate_all,
+            dequantize="model",
+        )
         # the reference really ran on dense experts
         assert all("weight" in m._parameters for m in expert_linears(out))
         _DENSE[key] = modifier
@@ -105,7 +121,9 @@ def test_from_pretrained_model_stays_packed(checkpoints, tokenizer, data):
     assert compressed_modules(model)
     modifier, out = run_reap(model, tokenizer, data)
     assert out is model and still_packed(model)
-    assert_same_scores(modifier.scores, dense_reference("kimi_k3", checkpoints, tokenizer, data).scores)
+    assert_same_scores(
+        modifier.scores, dense_reference("kimi_k3", checkpoints, tokenizer, data).scores
+    )
 
 
 def test_model_cast_to_float32_calibrates_packed(checkpoints, tokenizer, data):
@@ -143,8 +161,9 @@ def test_checkpoint_loads_in_float32(checkpoints):
     with torch.no_grad():
         got = model(input_ids=ids).logits
         want = bf16.to(torch.float32)(input_ids=ids).logits
-        torch.testing.assert_close(load_reference_model(path, "float32")(input_ids=ids).logits, got,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            load_reference_model(path, "float32")(input_ids=ids).logits, got, rtol=0, atol=0
+        )
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     packed = load_checkpoint_model(path, dtype="float32", packed=True)
     assert still_packed(packed) and packed.get_input_embeddings().weight.dtype == torch.float32
@@ -159,8 +178,12 @@ def test_disk_offloaded_packed_model(checkpoints, tokenizer, data, tmp_path):
     cls = reload_class("kimi_k3")
     folder = tmp_path / "offload"
     with load_offloaded_model(cls):
-        model = cls.from_pretrained(checkpoints["kimi_k3"].path, device_map="auto_offload",
-                                    max_memory={"cpu": 200_000}, offload_folder=str(folder))
+        model = cls.from_pretrained(
+            checkpoints["kimi_k3"].path,
+            device_map="auto_offload",
+            max_memory={"cpu": 200_000},
+            offload_folder=str(folder),
+        )
     on_disk = [m for m in expert_linears(model) if isinstance(m._parameters, DiskCache)]
     assert on_disk, "nothing was offloaded to disk"
     before = set(os.listdir(folder))
@@ -172,7 +195,9 @@ def test_disk_offloaded_packed_model(checkpoints, tokenizer, data, tmp_path):
         with safe_open(str(folder / new), framework="pt") as f:
             for key in f.keys():
                 assert f.get_slice(key).get_shape()[0] == modifier.plan.num_kept, (new, key)
-    assert_same_scores(modifier.scores, dense_reference("kimi_k3", checkpoints, tokenizer, data).scores)
+    assert_same_scores(
+        modifier.scores, dense_reference("kimi_k3", checkpoints, tokenizer, data).scores
+    )
 
 
 def test_in_memory_prune_from_packed_mode(checkpoints, tokenizer, data):
@@ -222,8 +247,9 @@ def test_calibration_free_prune_never_decompresses(checkpoints, tmp_path):
 # -- bad input -------------------------------------------------------------------------
 
 
-def test_checkpoint_format_without_decompressor_is_refused_before_loading(checkpoints, tokenizer, data,
-                                                                          tmp_path, monkeypatch):
+def test_checkpoint_format_without_decompressor_is_refused_before_loading(
+    checkpoints, tokenizer, data, tmp_path, monkeypatch
+):
     src = tmp_path / "marlin"
     shutil.copytree(checkpoints["kimi_k3"].path, src)
     config = json.loads((src / "config.json").read_text())
@@ -241,8 +267,9 @@ def test_checkpoint_format_without_decompressor_is_refused_before_loading(checkp
     assert not (tmp_path / "s.safetensors").exists()
 
 
-def test_module_format_without_decompressor_is_refused_before_calibration(checkpoints, tokenizer, data,
-                                                                          tmp_path, monkeypatch):
+def test_module_format_without_decompressor_is_refused_before_calibration(
+    checkpoints, tokenizer, data, tmp_path, monkeypatch
+):
     from compressed_tensors.config import CompressionFormat
 
     from reap_modifier import modifier as modifier_module
@@ -250,7 +277,8 @@ def test_module_format_without_decompressor_is_refused_before_calibration(checkp
     model = reload_class("kimi_k3").from_pretrained(checkpoints["kimi_k3"].path)
     name, module = next((n, m) for n, m in compressed_modules(model).items() if ".experts.3." in n)
     module.quantization_scheme = module.quantization_scheme.model_copy(
-        update={"format": CompressionFormat.sparse_24_bitmask})
+        update={"format": CompressionFormat.sparse_24_bitmask}
+    )
     attached = []
     monkeypatch.setattr(modifier_module.SaliencyObserver, "attach", lambda self: attached.append(1))
     with pytest.raises(PackedFormatError, match=rf"'sparse-24-bitmask' \(in {name}\)"):
@@ -259,8 +287,10 @@ def test_module_format_without_decompressor_is_refused_before_calibration(checkp
 
 
 def test_recipe_detection():
-    other = ("quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n"
-             "      targets: [Linear]\n      scheme: W8A8\n")
+    other = (
+        "quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n"
+        "      targets: [Linear]\n      scheme: W8A8\n"
+    )
     reap = "reap_stage:\n  reap_modifiers:\n    REAPPruningModifier:\n      sparsity: 0.5\n"
     assert recipe_keeps_experts_packed([REAPPruningModifier(sparsity=0.5)])
     assert recipe_keeps_experts_packed(REAPPruningModifier(sparsity=0.5, dequantize="expert"))
@@ -289,7 +319,8 @@ def test_probe_sees_a_decompressed_model(synth_k3):
     probe = LiveTensors(shaped_like(EXPERT_SHAPES))
     with probe:
         model = reload_class("kimi_k3").from_pretrained(
-            synth_k3["path"], quantization_config=CompressedTensorsConfig(dequantize=True))
+            synth_k3["path"], quantization_config=CompressedTensorsConfig(dequantize=True)
+        )
     per_layer = 3 * MEM_SHAPE.experts
     assert probe.live_count == per_layer * MEM_SHAPE.moe_layers
     assert probe.peak_bytes >= synth_k3["dense_expert_bytes"]

@@ -21,7 +21,9 @@ import pytest
 import torch
 
 # hypothesis keeps caches (example database, constants) under ./.hypothesis: not in the repo
-os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(Path(tempfile.gettempdir()) / "reap-modifier-hypothesis"))
+os.environ.setdefault(
+    "HYPOTHESIS_STORAGE_DIRECTORY", str(Path(tempfile.gettempdir()) / "reap-modifier-hypothesis")
+)
 
 from badinput import cli  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -72,7 +74,10 @@ def plans(draw, fx):
         for block in fx.moe_blocks:
             ids = []
             for g in range(n_group):
-                ids += [g * size + i for i in draw(st.sets(st.integers(0, size - 1), min_size=per, max_size=per))]
+                ids += [
+                    g * size + i
+                    for i in draw(st.sets(st.integers(0, size - 1), min_size=per, max_size=per))
+                ]
             kept[block] = sorted(ids)
     else:
         keep = draw(st.integers(top_k, E), label="keep")
@@ -103,7 +108,9 @@ def test_random_plans_rewrite_verify_and_match_the_oracle(sources, family):
     @given(plan=plans(fx))
     def check(plan):
         with tempfile.TemporaryDirectory() as d:
-            dst = rewrite_checkpoint(fx.path, plan, Path(d) / "out", progress=False, hash_cache=False)
+            dst = rewrite_checkpoint(
+                fx.path, plan, Path(d) / "out", progress=False, hash_cache=False
+            )
             res = cli("verify", dst, "--source", fx.path, "-q")
             assert res.exit_code == 0, res.output
             manifest = json.loads((dst / "pruning_manifest.json").read_text())
@@ -132,8 +139,12 @@ def calib(request):
 
     model, info = build_tiny(request.param, seed=7)
     gen = torch.Generator().manual_seed(11)
-    batches = [torch.randint(3, info.vocab_size, (2, int(torch.randint(4, 13, (1,), generator=gen))), generator=gen)
-               for _ in range(POOL)]
+    batches = [
+        torch.randint(
+            3, info.vocab_size, (2, int(torch.randint(4, 13, (1,), generator=gen))), generator=gen
+        )
+        for _ in range(POOL)
+    ]
     return {"model": model, "batches": batches, "observe": observe}
 
 
@@ -143,8 +154,11 @@ def splits(draw):
     2-4 non-empty parts, and the order the parts are merged in."""
     chosen = draw(st.lists(st.integers(0, POOL - 1), min_size=2, max_size=POOL, unique=True))
     k = draw(st.integers(2, min(4, len(chosen))))
-    labels = draw(st.lists(st.integers(0, k - 1), min_size=len(chosen), max_size=len(chosen))
-                  .filter(lambda xs: len(set(xs)) == k))
+    labels = draw(
+        st.lists(st.integers(0, k - 1), min_size=len(chosen), max_size=len(chosen)).filter(
+            lambda xs: len(set(xs)) == k
+        )
+    )
     parts = [[b for b, lab in zip(chosen, labels) if lab == i] for i in range(k)]
     order = draw(st.permutations(range(k)))
     return chosen, [parts[i] for i in order]
@@ -161,7 +175,11 @@ def test_merged_splits_equal_the_whole(calib):
         with tempfile.TemporaryDirectory() as d:
             files = []
             for j, part in enumerate(parts):
-                files.append(observe(model, [batches[i] for i in part], calibrate_all=False).save(Path(d) / f"p{j}.scores"))
+                files.append(
+                    observe(model, [batches[i] for i in part], calibrate_all=False).save(
+                        Path(d) / f"p{j}.scores"
+                    )
+                )
             res = cli("scores", "merge", *files, "-o", Path(d) / "merged.scores")
             assert res.exit_code == 0, res.output
             merged = ExpertScores.load(Path(d) / "merged.scores")
@@ -172,13 +190,21 @@ def test_merged_splits_equal_the_whole(calib):
             for stat, ref in stats.items():
                 got = merged.layers[layer][stat]
                 if stat in ("count", "max_norm") or stat.startswith("count@"):
-                    assert torch.equal(got, ref), (layer, stat)  # integers / max: exact in any order
+                    assert torch.equal(got, ref), (
+                        layer,
+                        stat,
+                    )  # integers / max: exact in any order
                 else:  # float64 sums added in another order
-                    torch.testing.assert_close(got, ref, rtol=1e-12, atol=0.0, msg=f"{layer}::{stat}")
+                    torch.testing.assert_close(
+                        got, ref, rtol=1e-12, atol=0.0, msg=f"{layer}::{stat}"
+                    )
         # the decision is the same too
         from reap_modifier.scores.plan import plan_from_scores
 
         n = merged.num_experts // 2
-        assert plan_from_scores(merged, num_experts_to_keep=n).kept == plan_from_scores(whole, num_experts_to_keep=n).kept
+        assert (
+            plan_from_scores(merged, num_experts_to_keep=n).kept
+            == plan_from_scores(whole, num_experts_to_keep=n).kept
+        )
 
     check()

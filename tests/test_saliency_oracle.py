@@ -55,7 +55,10 @@ def _assert_stats_equal(scores, reference, rtol):
         assert got["count"].sum() > 0
         for stat in STAT_KEYS:
             torch.testing.assert_close(
-                got[stat], ref[stat].to(torch.float64), rtol=rtol, atol=1e-12,
+                got[stat],
+                ref[stat].to(torch.float64),
+                rtol=rtol,
+                atol=1e-12,
                 msg=lambda m, layer=layer, stat=stat: f"{layer}::{stat}: {m}",
             )
 
@@ -120,4 +123,6 @@ def test_grouped_kimi_matches_brute_force():
     )
     batches = _batches(info.vocab_size)
     scores = observe(model, batches, calibrate_all=False)
-    _assert_stats_equal(scores, brute_force_stats(model, "kimi_k3", batches, routing="native"), 1e-10)
+    _assert_stats_equal(
+        scores, brute_force_stats(model, "kimi_k3", batches, routing="native"), 1e-10
+    )

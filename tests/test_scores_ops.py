@@ -9,9 +9,8 @@ import time
 import pytest
 import torch
 from safetensors.torch import save_file
+from scores_synth import LAYERS, accumulate, big_scores, from_saliency, routing
 
-from reap_modifier.scores.keep_count import PlanError, compute_keep_count, sparsity_to_keep
-from reap_modifier.scores.plan import PruningPlan, plan_from_scores, select_experts
 from reap_modifier.scores import (
     SCORES_FORMAT,
     SCORES_VERSION,
@@ -19,7 +18,8 @@ from reap_modifier.scores import (
     ScoresError,
     saliency_from_stats,
 )
-from scores_synth import LAYERS, accumulate, big_scores, from_saliency, routing
+from reap_modifier.scores.keep_count import PlanError, compute_keep_count, sparsity_to_keep
+from reap_modifier.scores.plan import PruningPlan, plan_from_scores, select_experts
 
 # -- merge ------------------------------------------------------------------------------
 
@@ -67,9 +67,12 @@ def test_merge_non_dyadic_is_float_rounding_only():
     ids = torch.randint(0, 8, (500, 2), generator=g)
     w = torch.rand(500, 2, generator=g, dtype=torch.float64)
     n = torch.rand(500, 2, generator=g, dtype=torch.float64)
-    joint = accumulate(None, [("en", ids[:300], w[:300], n[:300]), ("zh", ids[300:], w[300:], n[300:])])
+    joint = accumulate(
+        None, [("en", ids[:300], w[:300], n[:300]), ("zh", ids[300:], w[300:], n[300:])]
+    )
     merged = accumulate(None, [("en", ids[:300], w[:300], n[:300])]).merge(
-        accumulate(None, [("zh", ids[300:], w[300:], n[300:])]))
+        accumulate(None, [("zh", ids[300:], w[300:], n[300:])])
+    )
     for layer in LAYERS:
         for stat, t in joint.layers[layer].items():
             torch.testing.assert_close(merged.layers[layer][stat], t, rtol=1e-12, atol=0)
@@ -116,15 +119,22 @@ def _write_raw(path, tensors, meta):
 
 
 def _raw_meta(**over):
-    meta = {"format": SCORES_FORMAT, "version": SCORES_VERSION, "num_experts": 4,
-            "layers": ["l.layers.0.mlp"], "tokens": {"en": 3}}
+    meta = {
+        "format": SCORES_FORMAT,
+        "version": SCORES_VERSION,
+        "num_experts": 4,
+        "layers": ["l.layers.0.mlp"],
+        "tokens": {"en": 3},
+    }
     meta.update(over)
     return meta
 
 
 def _raw_tensors(layer="l.layers.0.mlp", n=4, **over):
-    t = {f"{layer}::{s}": torch.ones(n, dtype=torch.float64)
-         for s in ("count", "sum_weight", "sum_norm", "sum_reap", "max_norm")}
+    t = {
+        f"{layer}::{s}": torch.ones(n, dtype=torch.float64)
+        for s in ("count", "sum_weight", "sum_norm", "sum_reap", "max_norm")
+    }
     t.update(over)
     return t
 
@@ -166,15 +176,22 @@ def test_non_finite_values(tmp_path, bad):
     t = torch.ones(4, dtype=torch.float64)
     t[2] = bad
     _write_raw(tmp_path / "n.scores", _raw_tensors(**{"l.layers.0.mlp::sum_reap": t}), _raw_meta())
-    with pytest.raises(ScoresError, match=r"l\.layers\.0\.mlp::sum_reap holds NaN/inf values \(experts \[2\]\)"):
+    with pytest.raises(
+        ScoresError, match=r"l\.layers\.0\.mlp::sum_reap holds NaN/inf values \(experts \[2\]\)"
+    ):
         ExpertScores.load(tmp_path / "n.scores")
 
 
 def test_layer_missing(tmp_path):
     # listed in metadata, no tensors
-    _write_raw(tmp_path / "a.scores", _raw_tensors(),
-               _raw_meta(layers=["l.layers.0.mlp", "l.layers.1.mlp"]))
-    with pytest.raises(ScoresError, match=r"layers listed in metadata have no tensors: \['l\.layers\.1\.mlp'\]"):
+    _write_raw(
+        tmp_path / "a.scores",
+        _raw_tensors(),
+        _raw_meta(layers=["l.layers.0.mlp", "l.layers.1.mlp"]),
+    )
+    with pytest.raises(
+        ScoresError, match=r"layers listed in metadata have no tensors: \['l\.layers\.1\.mlp'\]"
+    ):
         ExpertScores.load(tmp_path / "a.scores")
     # the model has more MoE layers than the file holds
     _write_raw(tmp_path / "b.scores", _raw_tensors(), _raw_meta(num_moe_layers=2))
@@ -215,15 +232,25 @@ def test_weights_file_validation():
     with pytest.raises(ScoresError, match="has no 'reap' saliency"):
         s.saliency("reap")
     with pytest.raises(ScoresError, match="expected one of"):
-        ExpertScores({"a": {"router_l2": torch.ones(3, dtype=torch.float64)}},
-                     {**ok, "method": "router_l2"}).validate()
+        ExpertScores(
+            {"a": {"router_l2": torch.ones(3, dtype=torch.float64)}}, {**ok, "method": "router_l2"}
+        ).validate()
     with pytest.raises(ScoresError, match="extra statistics"):
-        ExpertScores({"a": {"router_l1": torch.ones(3, dtype=torch.float64),
-                            "count": torch.ones(3, dtype=torch.float64)}}, ok).validate()
+        ExpertScores(
+            {
+                "a": {
+                    "router_l1": torch.ones(3, dtype=torch.float64),
+                    "count": torch.ones(3, dtype=torch.float64),
+                }
+            },
+            ok,
+        ).validate()
     with pytest.raises(ScoresError, match="negative"):
         ExpertScores({"a": {"router_l1": -torch.ones(3, dtype=torch.float64)}}, ok).validate()
     signed = {**ok, "method": "router_signed_sum"}
-    ExpertScores({"a": {"router_signed_sum": -torch.ones(3, dtype=torch.float64)}}, signed).validate()
+    ExpertScores(
+        {"a": {"router_signed_sum": -torch.ones(3, dtype=torch.float64)}}, signed
+    ).validate()
 
 
 # -- saliency names ---------------------------------------------------------------------
@@ -279,8 +306,17 @@ def test_support_and_routing_rate():
         (dict(num_experts=896, top_k=16, sparsity=0.57, divisible_by=6), 384),
         (dict(num_experts=16, top_k=2, num_experts_to_keep=10, n_group=4, topk_group=2), 8),
         (dict(num_experts=16, top_k=2, num_experts_to_keep=10, n_group=4, topk_group=4), 10),
-        (dict(num_experts=48, top_k=2, num_experts_to_keep=45, divisible_by=5, n_group=4,
-              topk_group=2), 40),  # 45 -> 44 (groups) -> 40 (lcm(5, 4) = 20)
+        (
+            dict(
+                num_experts=48,
+                top_k=2,
+                num_experts_to_keep=45,
+                divisible_by=5,
+                n_group=4,
+                topk_group=2,
+            ),
+            40,
+        ),  # 45 -> 44 (groups) -> 40 (lcm(5, 4) = 20)
     ],
 )
 def test_keep_count_rule(kwargs, keep):
@@ -312,10 +348,16 @@ def test_sparsity_to_keep():
 
 def test_plan_from_scores_known_answer():
     s = from_saliency(
-        {"m.layers.0.mlp": [0.5, 4.0, 1.0, 3.0, 2.0, 0.0, 6.0, 5.0],
-         "m.layers.1.mlp": [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 0.0, 0.0]},
-        counts={"en": {"m.layers.0.mlp": [1, 1, 1, 1, 1, 0, 1, 1],
-                       "m.layers.1.mlp": [1, 1, 1, 1, 1, 1, 1, 0]}},
+        {
+            "m.layers.0.mlp": [0.5, 4.0, 1.0, 3.0, 2.0, 0.0, 6.0, 5.0],
+            "m.layers.1.mlp": [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 0.0, 0.0],
+        },
+        counts={
+            "en": {
+                "m.layers.0.mlp": [1, 1, 1, 1, 1, 0, 1, 1],
+                "m.layers.1.mlp": [1, 1, 1, 1, 1, 1, 1, 0],
+            }
+        },
     )
     plan = plan_from_scores(s, num_experts_to_keep=4)
     assert plan.kept == {"m.layers.0.mlp": [1, 3, 6, 7], "m.layers.1.mlp": [0, 1, 4, 5]}

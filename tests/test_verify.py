@@ -17,9 +17,9 @@ from mxfp4_fixtures import build_mxfp4_checkpoint, rewrite_shard_without, tree_s
 from typer.testing import CliRunner  # noqa: E402
 
 from reap_modifier.checkpoint import read_safetensors_header, rewrite_checkpoint  # noqa: E402
-from reap_modifier.cli import app  # noqa: E402
 from reap_modifier.checkpoint.manifest import MANIFEST_NAME  # noqa: E402
 from reap_modifier.checkpoint.verify import VerifyError, verify_checkpoint  # noqa: E402
+from reap_modifier.cli import app  # noqa: E402
 from reap_modifier.scores.plan import PruningPlan  # noqa: E402
 
 runner = CliRunner()
@@ -27,7 +27,11 @@ runner = CliRunner()
 
 @pytest.fixture(autouse=True)
 def _private_hash_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("REAP_SHA256_CACHE", str(tmp_path.parent / f"{tmp_path.name}-sha256-cache.json"))
+    monkeypatch.setenv(
+        "REAP_SHA256_CACHE", str(tmp_path.parent / f"{tmp_path.name}-sha256-cache.json")
+    )
+
+
 BLOCK = "language_model.model.layers.2.block_sparse_moe"
 KEPT = [0, 2, 3, 5, 8, 11, 12, 14]
 
@@ -39,7 +43,12 @@ def pruned(tmp_path_factory):
     fx = build_mxfp4_checkpoint("kimi_k3", root / "src", max_shard_size="60KB")
     plan = PruningPlan(kept={b: KEPT for b in fx.moe_blocks}, num_experts=16)
     dst = rewrite_checkpoint(fx.path, plan, root / "dst", progress=False, hash_cache=False)
-    return {"src": fx.path, "dst": dst, "src_hash": tree_sha256(fx.path), "dst_hash": tree_sha256(dst)}
+    return {
+        "src": fx.path,
+        "dst": dst,
+        "src_hash": tree_sha256(fx.path),
+        "dst_hash": tree_sha256(dst),
+    }
 
 
 @pytest.fixture
@@ -60,7 +69,9 @@ def _fails(d, source=None, *, match: str):
     assert any(match in f for f in report.failures), report.summary()
     with pytest.raises(VerifyError):
         report.raise_if_failed()
-    res = runner.invoke(app, ["verify", str(d), "-q"] + (["--source", str(source)] if source else []))
+    res = runner.invoke(
+        app, ["verify", str(d), "-q"] + (["--source", str(source)] if source else [])
+    )
     assert res.exit_code == 1, res.output
     assert match in res.output
     return report
@@ -72,7 +83,9 @@ def test_verify_passes(pruned):
     assert r.info["num_experts"] == 8 and r.info["moe_layers"] == 2
     assert r.info["quantization_format"] == ["mxfp4-pack-quantized"]
     r = verify_checkpoint(pruned["dst"], source=pruned["src"]).raise_if_failed()
-    assert r.info["checked_against_source"] and r.info["tensors_matching_source"] == r.info["tensors"]
+    assert (
+        r.info["checked_against_source"] and r.info["tensors_matching_source"] == r.info["tensors"]
+    )
     res = runner.invoke(app, ["verify", str(pruned["dst"]), "--source", str(pruned["src"]), "-q"])
     assert res.exit_code == 0 and "OK" in res.output, res.output
     assert tree_sha256(pruned["src"]) == pruned["src_hash"]
@@ -81,15 +94,23 @@ def test_verify_passes(pruned):
 
 def test_missing_expert(copy, pruned):
     names = [
-        f"{BLOCK}.experts.3.{p}.{k}" for p in ("w1", "w2", "w3") for k in ("weight_packed", "weight_scale")
+        f"{BLOCK}.experts.3.{p}.{k}"
+        for p in ("w1", "w2", "w3")
+        for k in ("weight_packed", "weight_scale")
     ]
     rewrite_shard_without(copy, names)
     _fails(copy, match=f"{BLOCK}: expert(s) 3 missing (expected 0..7)")
-    _fails(copy, pruned["src"], match=f"{BLOCK}.experts.3.w1.weight_packed (from source {BLOCK}.experts.5.w1.weight_packed) is missing")
+    _fails(
+        copy,
+        pruned["src"],
+        match=f"{BLOCK}.experts.3.w1.weight_packed (from source {BLOCK}.experts.5.w1.weight_packed) is missing",
+    )
 
 
 def test_missing_projection_of_one_expert(copy):
-    rewrite_shard_without(copy, [f"{BLOCK}.experts.6.w2.weight_packed", f"{BLOCK}.experts.6.w2.weight_scale"])
+    rewrite_shard_without(
+        copy, [f"{BLOCK}.experts.6.w2.weight_packed", f"{BLOCK}.experts.6.w2.weight_scale"]
+    )
     _fails(copy, match=f"{BLOCK}.experts.6: lacks ['w2']")
 
 
@@ -116,7 +137,9 @@ def test_flipped_byte(copy, pruned):
     # with the source: the tensor is named, with the source tensor it came from
     _fails(copy, pruned["src"], match=f"{name}: sha256")
     r = verify_checkpoint(copy, pruned["src"])
-    assert any(f"differs from source {BLOCK}.experts.{KEPT[4]}.w3.weight_packed" in f for f in r.failures)
+    assert any(
+        f"differs from source {BLOCK}.experts.{KEPT[4]}.w3.weight_packed" in f for f in r.failures
+    )
 
 
 def test_orphan_expert(copy):

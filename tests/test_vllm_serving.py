@@ -34,8 +34,12 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from reap_modifier.checkpoint import inspect_checkpoint, rewrite_checkpoint  # noqa: E402
 from reap_modifier.scores.plan import PruningPlan  # noqa: E402
+from reap_modifier.serving.reference import (  # noqa: E402
+    greedy_reference,
+    load_reference_model,
+    sequence_logprobs,
+)
 from reap_modifier.serving.server import live_group_members  # noqa: E402
-from reap_modifier.serving.reference import greedy_reference, load_reference_model, sequence_logprobs  # noqa: E402
 from reap_modifier.serving.vllm_check import check_with_vllm  # noqa: E402
 from reap_modifier.serving.vllm_load_probe import place_tensors  # noqa: E402
 
@@ -65,8 +69,14 @@ KEPT = {
     "mixtral": [[0, 2, 3, 6], [1, 4, 5, 7]],
     "olmoe": [[2, 3, 5, 6], [0, 1, 4, 7]],
     "gpt_oss": [[0, 3, 5, 6], [1, 2, 4, 7]],
-    "deepseek_v3": [[1, 3, 4, 6, 9, 10, 13, 15], [0, 2, 5, 7, 8, 11, 12, 14]],  # n_group=4: 2 per group
-    "glm4_moe": [[0, 2, 5, 7, 8, 11, 13, 14], [1, 3, 4, 6, 9, 10, 12, 15]],  # n_group=2: 4 per group
+    "deepseek_v3": [
+        [1, 3, 4, 6, 9, 10, 13, 15],
+        [0, 2, 5, 7, 8, 11, 12, 14],
+    ],  # n_group=4: 2 per group
+    "glm4_moe": [
+        [0, 2, 5, 7, 8, 11, 13, 14],
+        [1, 3, 4, 6, 9, 10, 12, 15],
+    ],  # n_group=2: 4 per group
 }
 
 
@@ -80,7 +90,9 @@ def _wait_for_background_install() -> None:
     deadline = time.monotonic() + float(os.environ.get("REAP_VLLM_INSTALL_WAIT_S", "1200"))
     while not status.exists():
         if time.monotonic() > deadline:
-            pytest.fail(f"the background vLLM install did not finish; see {status.with_suffix('.log')}")
+            pytest.fail(
+                f"the background vLLM install did not finish; see {status.with_suffix('.log')}"
+            )
         time.sleep(2)
     rc = status.read_text().strip()
     if rc != "0":
@@ -114,7 +126,9 @@ def _layer_index(block: str) -> int:
     return int(block.split("layers.")[1].split(".")[0])
 
 
-def _prune(src: Path, blocks: list[str], kept: list[list[int]], num_experts: int, dst: Path) -> Path:
+def _prune(
+    src: Path, blocks: list[str], kept: list[list[int]], num_experts: int, dst: Path
+) -> Path:
     plan = PruningPlan(kept={b: k for b, k in zip(blocks, kept)}, num_experts=num_experts)
     return rewrite_checkpoint(src, plan, dst, progress=False)
 
@@ -125,11 +139,15 @@ def _assert_served_and_matching(report, tmp_path):
     assert report.loaded and report.served and report.tokens_match
     assert report.vllm_tokens == report.reference_tokens
     assert report.max_logprob_diff is not None and report.max_logprob_diff < 1e-3
-    assert report.server_pid and live_group_members(report.server_pid) == []  # the server's group is gone
+    assert (
+        report.server_pid and live_group_members(report.server_pid) == []
+    )  # the server's group is gone
 
 
 def _assert_tells_models_apart(src: Path, report):
-    full = greedy_reference(load_reference_model(src, "float32"), report.prompts, len(report.vllm_tokens[0]))
+    full = greedy_reference(
+        load_reference_model(src, "float32"), report.prompts, len(report.vllm_tokens[0])
+    )
     assert full.tokens != report.vllm_tokens
 
 
@@ -137,7 +155,9 @@ def _assert_tells_models_apart(src: Path, report):
 def test_reap_prune_output_serves_with_transformers_tokens(family, vllm_python, tmp_path):
     src, blocks, n = _build_bf16(family, tmp_path / "src")
     dst = _prune(src, blocks, KEPT[family], n, tmp_path / "pruned")
-    report = check_with_vllm(dst, vllm_python=vllm_python, dtype="float32", work_dir=tmp_path / "vllm")
+    report = check_with_vllm(
+        dst, vllm_python=vllm_python, dtype="float32", work_dir=tmp_path / "vllm"
+    )
     _assert_served_and_matching(report, tmp_path)
     _assert_tells_models_apart(src, report)
 
@@ -154,13 +174,19 @@ def test_reap_prune_deepseek_v3_serves_the_pruned_model(vllm_python, tmp_path):
 
     src, blocks, n = _build_bf16("deepseek_v3", tmp_path / "src")
     dst = _prune(src, blocks, KEPT["deepseek_v3"], n, tmp_path / "pruned")
-    report = check_with_vllm(dst, vllm_python=vllm_python, dtype="float32", work_dir=tmp_path / "vllm")
+    report = check_with_vllm(
+        dst, vllm_python=vllm_python, dtype="float32", work_dir=tmp_path / "vllm"
+    )
     assert report.loaded and report.served and report.vllm_logprobs
     assert report.server_pid and live_group_members(report.server_pid) == []
-    full = sequence_logprobs(load_reference_model(src, "float32"), report.prompts, report.reference_tokens)
+    full = sequence_logprobs(
+        load_reference_model(src, "float32"), report.prompts, report.reference_tokens
+    )
     flat = lambda rows: [x for r in rows for x in r]  # noqa: E731
     vllm_lp = flat(report.vllm_logprobs)
-    to_pruned = statistics.median(abs(a - b) for a, b in zip(vllm_lp, flat(report.reference_logprobs)))
+    to_pruned = statistics.median(
+        abs(a - b) for a, b in zip(vllm_lp, flat(report.reference_logprobs))
+    )
     to_full = statistics.median(abs(a - b) for a, b in zip(vllm_lp, flat(full)))
     assert to_pruned < 0.05 and to_pruned * 5 < to_full, (to_pruned, to_full)
 
@@ -182,7 +208,9 @@ def test_reap_verify_vllm_cli_on_mixtral(vllm_python, tmp_path):
     assert "vLLM served:" in res.output and "vLLM tokens match:" in res.output
     assert "vLLM check OK (serve mode: tokens match)" in res.output
     saved = json.loads((work / "vllm_check.json").read_text())
-    assert saved["ok"] and saved["tokens_match"] and saved["vllm_tokens"] == saved["reference_tokens"]
+    assert (
+        saved["ok"] and saved["tokens_match"] and saved["vllm_tokens"] == saved["reference_tokens"]
+    )
 
 
 def test_modifier_output_serves_with_transformers_tokens(vllm_python, tokenizer, tmp_path):
@@ -199,7 +227,9 @@ def test_modifier_output_serves_with_transformers_tokens(vllm_python, tokenizer,
             dataset=make_dataset(calibration_samples(128, n=6, seed=3)),
             num_calibration_samples=6, output_dir=str(dst))  # fmt: skip
     assert json.loads((dst / "config.json").read_text())["num_local_experts"] == 4
-    report = check_with_vllm(dst, vllm_python=vllm_python, dtype="float32", work_dir=tmp_path / "vllm")
+    report = check_with_vllm(
+        dst, vllm_python=vllm_python, dtype="float32", work_dir=tmp_path / "vllm"
+    )
     _assert_served_and_matching(report, tmp_path)
     _assert_tells_models_apart(src, report)
 
@@ -219,7 +249,10 @@ def test_pruned_k3_mxfp4_passes_vllm_weight_loading(k3_pruned, vllm_python, tmp_
     assert report.ok, "\n".join(report.failures)
     assert report.loaded and report.served is None and report.tokens_match is None
     probe = report.probe
-    assert probe["architecture"] == "KimiK3ForConditionalGeneration" and probe["quantization"] == "mxfp4"
+    assert (
+        probe["architecture"] == "KimiK3ForConditionalGeneration"
+        and probe["quantization"] == "mxfp4"
+    )
     n_tensors = sum(1 for _ in _tensor_names(dst))
     assert probe["checkpoint_tensors"] == n_tensors and probe["stage"] == "done"
     assert any("loaded every parameter" in line for line in report.proved)
@@ -288,17 +321,26 @@ def test_placement_oracle_finds_misplaced_and_missing_tensors(tmp_path):
     w = {e: torch.randn(4, 6, generator=g).to(torch.bfloat16) for e in range(3)}
     other = torch.randn(5, 6, generator=g).to(torch.bfloat16)
     save_file(
-        {f"m.layers.0.mlp.experts.{e}.w1.weight": w[e] for e in range(3)} | {"m.other.weight": other},
+        {f"m.layers.0.mlp.experts.{e}.w1.weight": w[e] for e in range(3)}
+        | {"m.other.weight": other},
         str(tmp_path / "model.safetensors"),
     )
-    fused = torch.zeros(3, 8, 6, dtype=torch.float32)  # [experts, 2*rows, cols], float32 like vLLM's params
-    fused[0, :4], fused[1, :4], fused[2, 4:] = w[0].float(), w[2].float(), w[1].float()  # 1 and 2 swapped
+    fused = torch.zeros(
+        3, 8, 6, dtype=torch.float32
+    )  # [experts, 2*rows, cols], float32 like vLLM's params
+    fused[0, :4], fused[1, :4], fused[2, 4:] = (
+        w[0].float(),
+        w[2].float(),
+        w[1].float(),
+    )  # 1 and 2 swapped
     res = place_tensors(tmp_path, {"m.layers.0.mlp.experts.w13_weight": fused})
     assert res["placed"] == 1  # expert 0 in slot 0
     assert len(res["misplaced"]) == 2 and "expected expert slot 1" in " ".join(res["misplaced"])
     assert res["missing"] == ["m.other.weight"]
     fused[1, :4], fused[2, :4] = w[1].float(), w[2].float()
-    res = place_tensors(tmp_path, {"m.layers.0.mlp.experts.w13_weight": fused, "m.other.weight": other.float()})
+    res = place_tensors(
+        tmp_path, {"m.layers.0.mlp.experts.w13_weight": fused, "m.other.weight": other.float()}
+    )
     assert res["placed"] == 4 and not res["misplaced"] and not res["missing"]
 
 
@@ -308,6 +350,8 @@ def test_verify_vllm_without_vllm_is_a_usage_error(tmp_path):
     from reap_modifier.cli import app
 
     src, _, _ = _build_bf16("qwen3_moe", tmp_path / "src")
-    res = CliRunner().invoke(app, ["verify", str(src), "-q", "--vllm", "--vllm-python", str(tmp_path / "no-python")])
+    res = CliRunner().invoke(
+        app, ["verify", str(src), "-q", "--vllm", "--vllm-python", str(tmp_path / "no-python")]
+    )
     assert res.exit_code == 2
     assert "no Python with vLLM" in res.output and "scripts/vllm_venv.sh" in res.output

@@ -355,13 +355,12 @@ def register_kimi() -> None:
     global _KIMI_REGISTERED
     if _KIMI_REGISTERED:
         return
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     from llmcompressor.modeling.kimi_k3.configuration_kimi_k3 import KimiK3Config
     from llmcompressor.modeling.kimi_k3.modeling_kimi_k3 import (
         KimiK3ForConditionalGeneration,
     )
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     try:
         existing = CONFIG_MAPPING["kimi_k3"]
@@ -370,9 +369,7 @@ def register_kimi() -> None:
     if existing is None:
         AutoConfig.register("kimi_k3", KimiK3Config, exist_ok=True)
     try:
-        AutoModelForCausalLM.register(
-            KimiK3Config, KimiK3ForConditionalGeneration, exist_ok=True
-        )
+        AutoModelForCausalLM.register(KimiK3Config, KimiK3ForConditionalGeneration, exist_ok=True)
     except ValueError:  # already registered (by someone else) - fine
         pass
     _KIMI_REGISTERED = True
@@ -431,9 +428,7 @@ def _std_for(name: str, p: torch.Tensor, family: str) -> tuple[float, float]:
     if "norm" in name and p.dim() == 1 and leaf == "weight":
         return 1.0, 0.1
     # routers: logits ~ N(0, 0.3^2 * hidden) -> std ~1.7 for hidden 32
-    if name.endswith(".router.weight") or (
-        name.endswith(".gate.weight") and p.dim() == 2
-    ):
+    if name.endswith(".router.weight") or (name.endswith(".gate.weight") and p.dim() == 2):
         return 0.0, 0.3
     if name.endswith(".router.bias"):
         return 0.0, 0.5
@@ -477,9 +472,7 @@ def init_weights_(model: torch.nn.Module, seed: int = 0, family: str = "") -> No
         t.copy_(vals.to(t.dtype))
 
 
-def find_moe_blocks(
-    model: torch.nn.Module, router_attr: str, experts_attr: str
-) -> list[str]:
+def find_moe_blocks(model: torch.nn.Module, router_attr: str, experts_attr: str) -> list[str]:
     """Names of modules that own both a router and a routed-experts child."""
     out = []
     for name, mod in model.named_modules():
@@ -507,9 +500,7 @@ def _make_info(family: str, model) -> TinyInfo:
         scoring = "gpt_oss"
     else:
         scoring = "softmax"
-    layer_ids = sorted(
-        {int(b.split("layers.")[1].split(".")[0]) for b in blocks if "layers." in b}
-    )
+    layer_ids = sorted({int(b.split("layers.")[1].split(".")[0]) for b in blocks if "layers." in b})
     dense = [i for i in range(cfg.num_hidden_layers) if i not in layer_ids]
     return TinyInfo(
         family=family,
@@ -534,9 +525,7 @@ def info_for(model, family: str) -> TinyInfo:
     return _make_info(family, model)
 
 
-def build_tiny(
-    family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
-):
+def build_tiny(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     """Build a tiny random ``family`` model in eval mode -> ``(model, TinyInfo)``."""
     if family not in ALL_FAMILIES:
         raise ValueError(f"unknown family {family!r}; known: {ALL_FAMILIES}")
@@ -566,8 +555,9 @@ def sample_input_ids(
 
 
 # ---------------------------------------------------------------------------
-def _attention_in_model_dtype(module, query, key, value, attention_mask, scaling,
-                              dropout: float = 0.0, **kwargs):
+def _attention_in_model_dtype(
+    module, query, key, value, attention_mask, scaling, dropout: float = 0.0, **kwargs
+):
     """Eager attention with the softmax in the query dtype (upstream: float32)."""
     n_rep = module.num_key_value_groups
     if n_rep > 1:

@@ -8,16 +8,15 @@ saliency criteria, ``divisible_by`` and seven MoE families are added.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
-from loguru import logger
-from pydantic import Field, PrivateAttr, field_validator, model_validator
-
 from llmcompressor.core import Event, State
 from llmcompressor.modeling.moe.context import get_calibrate_all_experts_flag
 from llmcompressor.modifiers import Modifier
 from llmcompressor.modifiers.factory import ModifierFactory
+from loguru import logger
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from . import compat
 from .calibration import distributed
@@ -89,17 +88,17 @@ class REAPPruningModifier(Modifier):
 
     requires_calibration_data: bool = True
 
-    sparsity: Optional[float] = None
-    num_experts_to_keep: Optional[int] = None
-    divisible_by: Optional[int] = None
+    sparsity: float | None = None
+    num_experts_to_keep: int | None = None
+    divisible_by: int | None = None
     saliency: SaliencyName = "reap"
     ignore: list[str] = Field(default_factory=list)
-    report_path: Optional[str] = None
-    scores_path: Optional[str] = None
-    manifest_path: Optional[str] = None
+    report_path: str | None = None
+    scores_path: str | None = None
+    manifest_path: str | None = None
     calibration_source: str = "default"
-    scores_in: Optional[str] = None
-    plan_in: Optional[str] = None
+    scores_in: str | None = None
+    plan_in: str | None = None
     seed: int = 0
     dequantize: Literal["layer", "expert", "model"] = "layer"
 
@@ -116,41 +115,41 @@ class REAPPruningModifier(Modifier):
 
     @field_validator("sparsity")
     @classmethod
-    def _check_sparsity(cls, v: Optional[float]) -> Optional[float]:
+    def _check_sparsity(cls, v: float | None) -> float | None:
         if v is not None and not 0.0 < v < 1.0:
             raise ValueError(f"sparsity must be in (0, 1), got {v}")
         return v
 
     @field_validator("num_experts_to_keep", "divisible_by")
     @classmethod
-    def _check_positive(cls, v: Optional[int], info) -> Optional[int]:
+    def _check_positive(cls, v: int | None, info) -> int | None:
         if v is not None and v < 1:
             raise ValueError(f"{info.field_name} must be >= 1, got {v}")
         return v
 
     @field_validator("report_path", "manifest_path")
     @classmethod
-    def _check_json(cls, v: Optional[str], info) -> Optional[str]:
+    def _check_json(cls, v: str | None, info) -> str | None:
         if v is not None and not str(v).endswith(".json"):
             raise ValueError(f"{info.field_name} must end with .json, got {v}")
         return v
 
     @field_validator("scores_path")
     @classmethod
-    def _check_scores_suffix(cls, v: Optional[str]) -> Optional[str]:
+    def _check_scores_suffix(cls, v: str | None) -> str | None:
         if v is not None and not str(v).endswith(".safetensors"):
             raise ValueError(f"scores_path must end with .safetensors, got {v}")
         return v
 
     @field_validator("scores_in", "plan_in")
     @classmethod
-    def _check_input_exists(cls, v: Optional[str], info) -> Optional[str]:
+    def _check_input_exists(cls, v: str | None, info) -> str | None:
         if v is not None and not Path(v).is_file():
             raise ValueError(f"{info.field_name} {v!r} does not exist")
         return v
 
     @model_validator(mode="after")
-    def _check_keep_spec(self) -> "REAPPruningModifier":
+    def _check_keep_spec(self) -> REAPPruningModifier:
         if self.plan_in is not None:
             given = [
                 name
@@ -158,9 +157,7 @@ class REAPPruningModifier(Modifier):
                 if getattr(self, name) is not None
             ]
             if given:
-                raise ValueError(
-                    f"plan_in fixes the kept experts; remove {', '.join(given)}"
-                )
+                raise ValueError(f"plan_in fixes the kept experts; remove {', '.join(given)}")
         elif (self.sparsity is None) == (self.num_experts_to_keep is None):
             raise ValueError(
                 "give exactly one of `sparsity` (fraction to drop) or "
@@ -172,7 +169,11 @@ class REAPPruningModifier(Modifier):
                 f"saliency {self.saliency!r} is computed from router weights; drop "
                 "scores_in or choose a calibrated saliency"
             )
-        if not self.calibrates and self.scores_path is not None and self.saliency not in BASELINE_METHODS:
+        if (
+            not self.calibrates
+            and self.scores_path is not None
+            and self.saliency not in BASELINE_METHODS
+        ):
             raise ValueError(
                 "scores_path writes calibration statistics, but with scores_in/plan_in "
                 "nothing is calibrated; remove scores_path"
@@ -245,9 +246,7 @@ class REAPPruningModifier(Modifier):
         check_module_formats(packed)  # a format nothing can compute: refuse now
         others = self._other_modifiers()
         if self.dequantize == "model" or others:
-            why = (
-                f"the recipe also runs {', '.join(others)}" if others else "dequantize: model"
-            )
+            why = f"the recipe also runs {', '.join(others)}" if others else "dequantize: model"
             logger.info(f"REAP: decompressing the whole model before calibration ({why})")
             compat.decompress_loaded_model(model)
             return

@@ -122,8 +122,11 @@ def _check_compatible(items: list[tuple[str, ExpertScores]]) -> list[str]:
         for key in ("top_k", "model_class", "model_fingerprint"):
             a, b = first.metadata.get(key), s.metadata.get(key)
             if a is not None and b is not None and a != b:
-                what = "router weight fingerprints differ" if key == "model_fingerprint" \
+                what = (
+                    "router weight fingerprints differ"
+                    if key == "model_fingerprint"
                     else f"{key} {a!r} != {b!r}"
+                )
                 raise ScoresError(
                     f"cannot compare {label0} and {label}: {what}; rankings must come from "
                     "the same model"
@@ -168,8 +171,9 @@ def routing_rates(
 def rate_ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
     """``num / den`` with x/0 = inf (x > 0) and 0/0 = NaN."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(den > 0, num / np.where(den > 0, den, 1.0),
-                        np.where(num > 0, np.inf, np.nan))
+        return np.where(
+            den > 0, num / np.where(den > 0, den, 1.0), np.where(num > 0, np.inf, np.nan)
+        )
 
 
 def _frac(mask: np.ndarray, sel: np.ndarray) -> float | None:
@@ -188,19 +192,25 @@ def _support_summary(values: np.ndarray, sel: np.ndarray) -> dict:
         "n": n,
         "median_ratio_to_layer_median": float(np.median(finite)) if finite.size else None,
         "mean_ratio_to_layer_median": float(finite.mean()) if finite.size else None,
-        "frac_below_layer_median": (float((values[sel] < np.broadcast_to(med, values.shape)[sel]).mean())
-                                    if n else None),
+        "frac_below_layer_median": (
+            float((values[sel] < np.broadcast_to(med, values.shape)[sel]).mean()) if n else None
+        ),
         "frac_below_half_layer_median": (
             float((values[sel] < 0.5 * np.broadcast_to(med, values.shape)[sel]).mean())
-            if n else None),
+            if n
+            else None
+        ),
         "frac_never_routed": float((values[sel] == 0).mean()) if n else None,
     }
 
 
 def _tokens_added(x: Ranking, y: Ranking) -> dict[str, int]:
     tx, ty = x.scores.source_tokens(), y.scores.source_tokens()
-    return {s: ty.get(s, 0) - tx.get(s, 0) for s in sorted(set(tx) | set(ty))
-            if ty.get(s, 0) != tx.get(s, 0)}
+    return {
+        s: ty.get(s, 0) - tx.get(s, 0)
+        for s in sorted(set(tx) | set(ty))
+        if ty.get(s, 0) != tx.get(s, 0)
+    }
 
 
 def compare_rankings(
@@ -240,8 +250,12 @@ def compare_rankings(
     masks: dict[str, np.ndarray] = {}
     crit: dict[str, str] = {}
     for r in rankings:
-        name = r.saliency or (r.scores.method if r.scores.kind != KIND_CALIBRATION else None) \
-            or saliency or r.scores.default_saliency
+        name = (
+            r.saliency
+            or (r.scores.method if r.scores.kind != KIND_CALIBRATION else None)
+            or saliency
+            or r.scores.default_saliency
+        )
         crit[r.label] = name
         sal[r.label] = _stack(r.scores.saliency(name), layers)
         masks[r.label] = kept_mask(sal[r.label], k, n_group)
@@ -252,17 +266,19 @@ def compare_rankings(
     ranking_info = []
     for r in rankings:
         own = _mass(sal[r.label], masks[r.label])
-        ranking_info.append({
-            "label": r.label,
-            "path": r.path,
-            "corpus": r.corpus_label(),
-            "kind": r.scores.kind,
-            "saliency": crit[r.label],
-            "tokens": r.scores.source_tokens(),
-            "total_tokens": r.scores.total_tokens(),
-            "retained_mass": _mean(own),
-            "retained_mass_per_layer": own,
-        })
+        ranking_info.append(
+            {
+                "label": r.label,
+                "path": r.path,
+                "corpus": r.corpus_label(),
+                "kind": r.scores.kind,
+                "saliency": crit[r.label],
+                "tokens": r.scores.source_tokens(),
+                "total_tokens": r.scores.total_tokens(),
+                "retained_mass": _mean(own),
+                "retained_mass_per_layer": own,
+            }
+        )
 
     pairs = []
     for i, j in combinations(range(len(rankings)), 2):
@@ -331,24 +347,32 @@ def compare_rankings(
             with np.errstate(divide="ignore"):
                 more_a = ratio <= 1.0 / threshold
             allsel = np.ones_like(promoted)
-            routing.append({
-                "a": a,
-                "b": b,
-                "threshold": threshold,
-                "promoted_frac_more_by_b": _frac(more_b, promoted),
-                "promoted_frac_more_by_a": _frac(more_a, promoted),
-                "demoted_frac_more_by_b": _frac(more_b, demoted),
-                "demoted_frac_more_by_a": _frac(more_a, demoted),
-                "all_frac_more_by_b": _frac(more_b, allsel),
-                "all_frac_more_by_a": _frac(more_a, allsel),
-                "promoted_median_log2_ratio": (
-                    float(np.median(np.log2(ratio[promoted & (ratio > 0) & np.isfinite(ratio)])))
-                    if (promoted & (ratio > 0) & np.isfinite(ratio)).any() else None),
-                "all_median_log2_ratio": (
-                    float(np.median(np.log2(ratio[(ratio > 0) & np.isfinite(ratio)])))
-                    if ((ratio > 0) & np.isfinite(ratio)).any() else None),
-                "unrouted_by_both": int(np.isnan(ratio).sum()),
-            })
+            routing.append(
+                {
+                    "a": a,
+                    "b": b,
+                    "threshold": threshold,
+                    "promoted_frac_more_by_b": _frac(more_b, promoted),
+                    "promoted_frac_more_by_a": _frac(more_a, promoted),
+                    "demoted_frac_more_by_b": _frac(more_b, demoted),
+                    "demoted_frac_more_by_a": _frac(more_a, demoted),
+                    "all_frac_more_by_b": _frac(more_b, allsel),
+                    "all_frac_more_by_a": _frac(more_a, allsel),
+                    "promoted_median_log2_ratio": (
+                        float(
+                            np.median(np.log2(ratio[promoted & (ratio > 0) & np.isfinite(ratio)]))
+                        )
+                        if (promoted & (ratio > 0) & np.isfinite(ratio)).any()
+                        else None
+                    ),
+                    "all_median_log2_ratio": (
+                        float(np.median(np.log2(ratio[(ratio > 0) & np.isfinite(ratio)])))
+                        if ((ratio > 0) & np.isfinite(ratio)).any()
+                        else None
+                    ),
+                    "unrouted_by_both": int(np.isnan(ratio).sum()),
+                }
+            )
         pair["routing"] = routing
         pairs.append(pair)
 

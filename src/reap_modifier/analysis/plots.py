@@ -45,7 +45,9 @@ def plot_tiers(report: dict, path: str | os.PathLike) -> Path:
         ax1.annotate(
             f"{t['keep']}: {100 * t['retained_mass_mean']:.1f}%",
             (t["keep"], 100 * t["retained_mass_mean"]),
-            textcoords="offset points", xytext=(5, -12), fontsize=8,
+            textcoords="offset points",
+            xytext=(5, -12),
+            fontsize=8,
         )
     ax1.set_xlabel("experts kept per layer")
     ax1.set_ylabel("retained saliency mass (layer mean, %)")
@@ -87,9 +89,16 @@ def plot_flips(result: dict, path: str | os.PathLike) -> Path:
     x, xlabel = _layer_axis(result["layers"])
     fig, ax = plt.subplots(figsize=(10, 4))
     for i, p in enumerate(result["pairs"]):
-        ax.plot(x, p["pct_per_layer"], marker="o", ms=3, lw=1,
-                ls="-" if p["consecutive"] else ":", color=f"C{i}",
-                label=f"{p['earlier']}->{p['later']} ({p['change']}): {p['pct_of_kept_slots']:.2f}%")
+        ax.plot(
+            x,
+            p["pct_per_layer"],
+            marker="o",
+            ms=3,
+            lw=1,
+            ls="-" if p["consecutive"] else ":",
+            color=f"C{i}",
+            label=f"{p['earlier']}->{p['later']} ({p['change']}): {p['pct_of_kept_slots']:.2f}%",
+        )
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -102,8 +111,9 @@ def plot_flips(result: dict, path: str | os.PathLike) -> Path:
     return save_png(fig, path)
 
 
-def plot_routing_ratio(result: dict, rates_ratio: list[tuple[str, np.ndarray, np.ndarray]],
-                       path: str | os.PathLike) -> Path | None:
+def plot_routing_ratio(
+    result: dict, rates_ratio: list[tuple[str, np.ndarray, np.ndarray]], path: str | os.PathLike
+) -> Path | None:
     """Histogram of log2(rate_b / rate_a): all experts vs promoted, one panel per pair."""
     if not rates_ratio:
         return None
@@ -122,11 +132,19 @@ def plot_routing_ratio(result: dict, rates_ratio: list[tuple[str, np.ndarray, np
             lr = np.log2(ratio)
         lr = np.clip(lr, -lim, lim)  # +-inf -> edges
         ok = ~np.isnan(lr)
-        ax.hist(lr[ok].ravel(), bins=bins, density=True, alpha=0.45, color="grey", label="all experts")
+        ax.hist(
+            lr[ok].ravel(), bins=bins, density=True, alpha=0.45, color="grey", label="all experts"
+        )
         sel = ok & promoted
         if sel.any():
-            ax.hist(lr[sel].ravel(), bins=bins, density=True, alpha=0.6, color="C3",
-                    label=f"promoted ({int(promoted.sum())})")
+            ax.hist(
+                lr[sel].ravel(),
+                bins=bins,
+                density=True,
+                alpha=0.6,
+                color="C3",
+                label=f"promoted ({int(promoted.sum())})",
+            )
         for v in (-t, t):
             ax.axvline(v, color="k", ls="--", lw=0.8)
         ax.set_title(title, fontsize=9)

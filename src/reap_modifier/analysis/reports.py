@@ -99,7 +99,12 @@ def compare_markdown(result: dict) -> str:
         "|---|---|---:|---:|---:|---:|",
     ]
     for p in result["pairs"]:
-        added = ", ".join(f"{'+' if n > 0 else ''}{tokens(n)} {s}" for s, n in p["tokens_added"].items()) or "-"
+        added = (
+            ", ".join(
+                f"{'+' if n > 0 else ''}{tokens(n)} {s}" for s, n in p["tokens_added"].items()
+            )
+            or "-"
+        )
         xf = "n/a" if p["x_first_pair"] is None else f"{p['x_first_pair']:.2f}x"
         out.append(
             f"| {p['earlier']} -> {p['later']}: {p['change']} | {added} | {p['flips']:,} | "
@@ -138,7 +143,8 @@ def compare_markdown(result: dict) -> str:
     else:
         out.append(
             "Per-token routing rate of source s: routed count on s / tokens of s. Sources: "
-            + "; ".join(f"{s}: {o}" for s, o in result["routing_sources"].items()) + "."
+            + "; ".join(f"{s}: {o}" for s, o in result["routing_sources"].items())
+            + "."
         )
         out += [
             "",
@@ -182,9 +188,11 @@ def compare_markdown(result: dict) -> str:
         "## Definitions",
         "",
         f"- keep {result['keep']} (requested {rule['requested']}"
-        + (f"; {'; '.join(rule['adjustments'])}" if rule["adjustments"] else "") + "); "
+        + (f"; {'; '.join(rule['adjustments'])}" if rule["adjustments"] else "")
+        + "); "
         "selection as `reap cut`: highest saliency per layer, ties to the lower index"
-        + (f", equal count per group (n_group={rule['n_group']})" if rule["n_group"] else "") + ".",
+        + (f", equal count per group (n_group={rule['n_group']})" if rule["n_group"] else "")
+        + ".",
         "- retained mass: layer mean of kept saliency / layer saliency.",
         f"- routed >= {result['threshold']:g}x more often by b: rate_b / rate_a >= "
         f"{result['threshold']:g} (an expert routed by b but never by a counts; never routed "
@@ -221,12 +229,15 @@ def write_compare_report(
                 promoted[li, p["promoted"][name]] = True
             for r in p["routing"]:
                 ratio = rate_ratio(rates[r["b"]], rates[r["a"]])
-                panels.append((
-                    f"{p['earlier']}->{p['later']}: {r['b']}/{r['a']}; promoted >= "
-                    f"{result['threshold']:g}x by {r['b']}: {pct(r['promoted_frac_more_by_b'])} "
-                    f"(all {pct(r['all_frac_more_by_b'])})",
-                    ratio, promoted,
-                ))
+                panels.append(
+                    (
+                        f"{p['earlier']}->{p['later']}: {r['b']}/{r['a']}; promoted >= "
+                        f"{result['threshold']:g}x by {r['b']}: {pct(r['promoted_frac_more_by_b'])} "
+                        f"(all {pct(r['all_frac_more_by_b'])})",
+                        ratio,
+                        promoted,
+                    )
+                )
     png = plot_routing_ratio(result, panels, out / "routing_ratio.png")
     if png:
         paths["routing_png"] = png

@@ -153,8 +153,9 @@ def _jumps(cost: np.ndarray, w: int) -> np.ndarray:
     after = (csum[..., ks] - csum[..., ks - w]) / w  # ranks k-w+1 .. k
     before = (csum[..., ks + w] - csum[..., ks]) / w  # ranks k+1 .. k+w
     with np.errstate(divide="ignore", invalid="ignore"):
-        j = np.where(before > 0, after / np.where(before > 0, before, 1.0),
-                     np.where(after > 0, np.inf, 1.0))
+        j = np.where(
+            before > 0, after / np.where(before > 0, before, 1.0), np.where(after > 0, np.inf, 1.0)
+        )
     out[..., ks] = j
     return out
 
@@ -186,9 +187,15 @@ def detect_knee(
         "searched": [int(lo_s), int(hi_s)] if lo_s <= hi_s else None,
     }
     if lo_s > hi_s:
-        result.update(knee=False, keep=None, max_jump=None, at_keep=None,
-                      layers_with_knee=0, num_layers=len(curve.layers),
-                      note=f"range too narrow for the {w}-expert windows")
+        result.update(
+            knee=False,
+            keep=None,
+            max_jump=None,
+            at_keep=None,
+            layers_with_knee=0,
+            num_layers=len(curve.layers),
+            note=f"range too narrow for the {w}-expert windows",
+        )
         return result
     seg = jumps[lo_s : hi_s + 1]
     idx = int(np.nanargmax(np.where(np.isnan(seg), -np.inf, seg)))
@@ -225,16 +232,17 @@ def _answer(curve: TierCurve, knee_range: dict, knee_all: dict, between: list[di
             f"{k} is a point the measurements recommend."
         )
         if math.isinf(knee_range["max_jump"]):
-            head += (" (The experts pruned before it carry zero saliency: never routed or "
-                     "dead.)")
+            head += " (The experts pruned before it carry zero saliency: never routed or dead.)"
     else:
         steps = [b for b in between if b["from_keep"] <= hi and b["to_keep"] >= lo]
         if steps:
             rise = " -> ".join(f"{100 * b['cost_per_expert']:.3f}%" for b in steps)
             rise = f"{rise} of a layer's saliency per expert between consecutive tiers"
         else:
-            rise = (f"from {100 * cost[hi]:.3f}% to {100 * cost[lo]:.3f}% of a layer's "
-                    "saliency per expert")
+            rise = (
+                f"from {100 * cost[hi]:.3f}% to {100 * cost[lo]:.3f}% of a layer's "
+                "saliency per expert"
+            )
         head = (
             f"No knee between keep {hi} and {lo}: the marginal cost per pruned expert rises "
             f"gradually, {rise} (uniform would be {100 / num_experts:.3f}%); the largest jump "
@@ -297,15 +305,17 @@ def tiers_report(
     tiers = []
     for k in tier_keeps:
         per_layer = retained_mass_at(sal, k, n_group)
-        tiers.append({
-            "keep": k,
-            "pruned_fraction": 1 - k / num_experts,
-            "retained_mass_mean": float(per_layer.mean()),
-            "retained_mass_min": float(per_layer.min()),
-            "retained_mass_max": float(per_layer.max()),
-            "discarded_mass_mean": float(1 - per_layer.mean()),
-            "min_layer": curve.layers[int(per_layer.argmin())],
-        })
+        tiers.append(
+            {
+                "keep": k,
+                "pruned_fraction": 1 - k / num_experts,
+                "retained_mass_mean": float(per_layer.mean()),
+                "retained_mass_min": float(per_layer.min()),
+                "retained_mass_max": float(per_layer.max()),
+                "discarded_mass_mean": float(1 - per_layer.mean()),
+                "min_layer": curve.layers[int(per_layer.argmin())],
+            }
+        )
     between = []
     bounds = [num_experts] + tier_keeps
     mass = curve.mass
@@ -313,13 +323,15 @@ def tiers_report(
         if hi == lo:
             continue
         lost = float(mass[hi] - mass[lo])
-        between.append({
-            "from_keep": hi,
-            "to_keep": lo,
-            "mass_lost": lost,
-            "cost_per_expert": lost / (hi - lo),
-            "cost_per_expert_vs_uniform": lost / (hi - lo) * num_experts,
-        })
+        between.append(
+            {
+                "from_keep": hi,
+                "to_keep": lo,
+                "mass_lost": lost,
+                "cost_per_expert": lost / (hi - lo),
+                "cost_per_expert_vs_uniform": lost / (hi - lo) * num_experts,
+            }
+        )
     rng = (min(tier_keeps), max(tier_keeps)) if len(tier_keeps) >= 2 else None
     knee_all = detect_knee(curve, None, window=window, threshold=threshold)
     knee_rng = detect_knee(curve, rng, window=window, threshold=threshold) if rng else knee_all

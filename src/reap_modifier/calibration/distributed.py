@@ -75,7 +75,9 @@ def gather_counts(local: dict[str, int], group) -> list[dict[str, int]]:
     return [{"rank": r, **dict(zip(keys, t.tolist()))} for r, t in enumerate(table)]
 
 
-def broadcast_kept(kept: dict[str, list[int]] | None, layer_names: list[str], keep: int, group) -> dict[str, list[int]]:
+def broadcast_kept(
+    kept: dict[str, list[int]] | None, layer_names: list[str], keep: int, group
+) -> dict[str, list[int]]:
     """Rank 0's kept ids, on every rank (layer order = ``sorted(layer_names)``)."""
     if not is_distributed():
         assert kept is not None

@@ -40,8 +40,9 @@ Without an attention mask every position counts.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -105,8 +106,9 @@ class SaliencyObserver:
         if self._model is not None:
             self._attach_model(self._model)
         for layer in self.arch.layers:
-            self._register(layer.block, partial(self._block_pre, layer.name), "forward_pre",
-                           with_kwargs=True)
+            self._register(
+                layer.block, partial(self._block_pre, layer.name), "forward_pre", with_kwargs=True
+            )
             if layer.kind == "experts_call":
                 self._attach_experts_call(layer)
             else:
@@ -186,7 +188,9 @@ class SaliencyObserver:
 
     def _attach_experts_call(self, layer: MoELayer) -> None:
         experts = layer.experts
-        self._register(experts, partial(self._unroll_pre, layer.name), "forward_pre", with_kwargs=True)
+        self._register(
+            experts, partial(self._unroll_pre, layer.name), "forward_pre", with_kwargs=True
+        )
         self._register(experts, partial(self._unroll_post, layer.name), "forward")
 
     def _attach_kimi(self, layer: MoELayer) -> None:
@@ -286,7 +290,6 @@ class SaliencyObserver:
         tokens = max((a.tokens for a in accs), default=0)
         positions = max((a.positions for a in accs), default=0)
         return {"samples": samples, "tokens": tokens, "padding": positions - tokens}
-
 
     def to_scores(self, source: str = "default", metadata: dict | None = None) -> ExpertScores:
         """Export the accumulated sums (CPU float64) as an :class:`ExpertScores`."""

@@ -224,7 +224,9 @@ class PackedCompute:
         self.attached = False
         embed = getattr(model, "get_input_embeddings", lambda: None)()
         #: dtype of dense weights dequantized outside a forward call (resident modules)
-        self._compute_dtype: torch.dtype | None = getattr(getattr(embed, "weight", None), "dtype", None)
+        self._compute_dtype: torch.dtype | None = getattr(
+            getattr(embed, "weight", None), "dtype", None
+        )
 
     @property
     def num_expert_modules(self) -> int:
@@ -243,7 +245,9 @@ class PackedCompute:
     # -- dense weights ----------------------------------------------------------------
 
     @torch.no_grad()
-    def _materialise(self, module: nn.Module, *, expert: bool = True, dtype: torch.dtype | None = None) -> None:
+    def _materialise(
+        self, module: nn.Module, *, expert: bool = True, dtype: torch.dtype | None = None
+    ) -> None:
         if module in self._dense:
             return
         from compressed_tensors.utils import get_direct_state_dict
@@ -302,10 +306,14 @@ class PackedCompute:
             self._materialise(module, expert=False)
         for module in self._layer_of:
             if self.granularity == "layer":
-                pre = module.register_forward_pre_hook(lambda mod, args: self._before_expert(mod, _dtype(args)))
+                pre = module.register_forward_pre_hook(
+                    lambda mod, args: self._before_expert(mod, _dtype(args))
+                )
                 self._handles.append(pre)
             else:
-                pre = module.register_forward_pre_hook(lambda mod, args: self._materialise(mod, dtype=_dtype(args)))
+                pre = module.register_forward_pre_hook(
+                    lambda mod, args: self._materialise(mod, dtype=_dtype(args))
+                )
                 post = module.register_forward_hook(lambda mod, args, out: self._release(mod))
                 self._handles += [pre, post]
         self.attached = True
@@ -338,7 +346,7 @@ class PackedCompute:
             f"({self.stats.peak_dense_bytes / 2**20:.1f} MiB) alive at once"
         )
 
-    def __enter__(self) -> "PackedCompute":
+    def __enter__(self) -> PackedCompute:
         self.attach()
         return self
 
@@ -361,7 +369,9 @@ def scores_difference(got, ref) -> dict:
             other = got.layers[layer][name].to(torch.float64)
             value = value.to(torch.float64)
             diff = (other - value).abs()
-            rel = torch.where(diff == 0, torch.zeros_like(diff), diff / value.abs().clamp_min(1e-300))
+            rel = torch.where(
+                diff == 0, torch.zeros_like(diff), diff / value.abs().clamp_min(1e-300)
+            )
             by_stat[name] = max(by_stat.get(name, 0.0), float(rel.max()) if rel.numel() else 0.0)
             count += value.numel()
     return {"max_rel": max(by_stat.values(), default=0.0), "by_stat": by_stat, "statistics": count}

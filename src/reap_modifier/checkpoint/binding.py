@@ -19,8 +19,8 @@ The manifest records which rule cut which layer.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 from loguru import logger
 
@@ -50,6 +50,7 @@ __all__ = [
     "resolve_block",
     "rewrite_quant_config",
 ]
+
 
 def _layer_key(name: str) -> tuple[int, str] | None:
     m = LAYER_RE.search(name)
@@ -101,7 +102,9 @@ class ExpertRemap:
 
     def __init__(self, blocks: Mapping[str, MoEBlock], block_kept: Mapping[str, list[int]]):
         self.block_kept = {p: list(k) for p, k in block_kept.items()}
-        self._remaps = {p: {old: new for new, old in enumerate(k)} for p, k in self.block_kept.items()}
+        self._remaps = {
+            p: {old: new for new, old in enumerate(k)} for p, k in self.block_kept.items()
+        }
         self._row_blocks = {
             n: p for p, b in blocks.items() if p in self.block_kept for n in (*b.router, *b.fused)
         }
@@ -147,7 +150,9 @@ class RewriteSpec:
     def __post_init__(self):
         self.remap = ExpertRemap(self.layout.blocks, self.block_kept)
 
-    def output_plan(self, shard: str, names: Iterable[str] | None = None) -> list[tuple[str, TensorEntry, list[tuple[int, int]], tuple[int, ...]]]:
+    def output_plan(
+        self, shard: str, names: Iterable[str] | None = None
+    ) -> list[tuple[str, TensorEntry, list[tuple[int, int]], tuple[int, ...]]]:
         """``(out_name, source entry, source byte ranges, out shape)`` in source byte order."""
         header = self.layout.shards[shard]
         names = list(header.entries) if names is None else list(names)
@@ -164,7 +169,9 @@ class RewriteSpec:
         return out
 
 
-def bind_plan(layout: CheckpointLayout, plan: PruningPlan, *, extra_layers: ExtraLayers = "error") -> RewriteSpec:
+def bind_plan(
+    layout: CheckpointLayout, plan: PruningPlan, *, extra_layers: ExtraLayers = "error"
+) -> RewriteSpec:
     """Map plan layers to checkpoint MoE blocks and check the plan fits the checkpoint.
 
     Raises :class:`CheckpointError` / :class:`PlanError` before any byte is written:
@@ -174,19 +181,24 @@ def bind_plan(layout: CheckpointLayout, plan: PruningPlan, *, extra_layers: Extr
     """
     plan.validate()
     if not layout.blocks:
-        raise CheckpointError(f"{layout.path}: no MoE block (no '.experts.' tensors) in the checkpoint")
+        raise CheckpointError(
+            f"{layout.path}: no MoE block (no '.experts.' tensors) in the checkpoint"
+        )
     E = plan.num_experts
     problems = []
     for b in layout.blocks.values():
         problems += check_block(b, {n: layout.entry(n) for n in (*b.router, *b.fused)}, None)
         if b.num_experts != E:
-            problems.append(f"{b.prefix}: {b.num_experts} experts in the checkpoint, the plan is for {E}")
+            problems.append(
+                f"{b.prefix}: {b.num_experts} experts in the checkpoint, the plan is for {E}"
+            )
     if problems:
         raise CheckpointError("checkpoint does not fit the plan:\n  " + "\n  ".join(problems))
     problems = check_packed_scales({n: layout.entry(n) for n in layout.weight_map}, layout.config)
     if problems:
         raise CheckpointError(
-            f"{layout.path}: packed weights and scales disagree:\n  " + "\n  ".join(problems[:20])
+            f"{layout.path}: packed weights and scales disagree:\n  "
+            + "\n  ".join(problems[:20])
             + (f"\n  ... {len(problems) - 20} more" if len(problems) > 20 else "")
         )
     layer_map: dict[str, str] = {}
@@ -194,33 +206,50 @@ def bind_plan(layout: CheckpointLayout, plan: PruningPlan, *, extra_layers: Extr
         layer_map[layer] = resolve_block(layer, layout.blocks)
     dup = {p for p in layer_map.values() if list(layer_map.values()).count(p) > 1}
     if dup:
-        raise CheckpointError(f"several plan layers map to the same checkpoint block(s) {sorted(dup)}")
+        raise CheckpointError(
+            f"several plan layers map to the same checkpoint block(s) {sorted(dup)}"
+        )
     block_kept = {p: list(plan.kept[layer]) for layer, p in layer_map.items()}
     extra: dict[str, dict] = {}
     uncovered = [p for p in layout.blocks if p not in block_kept]
     if uncovered:
         if isinstance(extra_layers, Mapping):
-            mapping = {resolve_block(k, layout.blocks, what="extra_layers key"): v for k, v in extra_layers.items()}
+            mapping = {
+                resolve_block(k, layout.blocks, what="extra_layers key"): v
+                for k, v in extra_layers.items()
+            }
             for p in uncovered:
                 src = mapping.get(p)
                 if src is None:
-                    raise CheckpointError(f"checkpoint MoE block {p!r} is neither in the plan nor in extra_layers")
+                    raise CheckpointError(
+                        f"checkpoint MoE block {p!r} is neither in the plan nor in extra_layers"
+                    )
                 if src not in plan.kept:
-                    raise CheckpointError(f"extra_layers maps {p!r} to {src!r}, which is not a plan layer")
+                    raise CheckpointError(
+                        f"extra_layers maps {p!r} to {src!r}, which is not a plan layer"
+                    )
                 extra[p] = {"policy": "mapped", "kept_from": src}
         elif extra_layers == "like-last":
             deepest = max(plan.kept, key=lambda n: (_layer_key(n) or (-1, ""))[0])
             for p in uncovered:
                 extra[p] = {"policy": "like-last", "kept_from": deepest}
         elif extra_layers == "error":
-            described = ", ".join(f"{p} ({layout.blocks[p].num_experts} experts)" for p in uncovered)
+            described = ", ".join(
+                f"{p} ({layout.blocks[p].num_experts} experts)" for p in uncovered
+            )
             nh = layout.config_value(("num_hidden_layers",))
             hint = ""
-            if nh is not None and any(layout.blocks[p].layer_index is not None and layout.blocks[p].layer_index >= int(nh) for p in uncovered):
+            if nh is not None and any(
+                layout.blocks[p].layer_index is not None and layout.blocks[p].layer_index >= int(nh)
+                for p in uncovered
+            ):
                 hint = f" (layer index >= num_hidden_layers={nh}: an MTP / next-token-prediction layer)"
             regular = [
-                p for p in uncovered
-                if nh is not None and layout.blocks[p].layer_index is not None and layout.blocks[p].layer_index < int(nh)
+                p
+                for p in uncovered
+                if nh is not None
+                and layout.blocks[p].layer_index is not None
+                and layout.blocks[p].layer_index < int(nh)
             ]
             if regular:  # not an MTP layer: the plan is incomplete or for another model
                 raise CheckpointError(
@@ -236,7 +265,9 @@ def bind_plan(layout: CheckpointLayout, plan: PruningPlan, *, extra_layers: Extr
                 "deepest plan layer, or extra_layers={prefix: plan_layer}"
             )
         else:
-            raise CheckpointError(f"extra_layers must be 'error', 'like-last' or a mapping, got {extra_layers!r}")
+            raise CheckpointError(
+                f"extra_layers must be 'error', 'like-last' or a mapping, got {extra_layers!r}"
+            )
         for p, info in extra.items():
             info["kept_original_ids"] = list(plan.kept[info["kept_from"]])
             block_kept[p] = info["kept_original_ids"]
@@ -251,15 +282,21 @@ def bind_plan(layout: CheckpointLayout, plan: PruningPlan, *, extra_layers: Extr
         )
     others = {k: v for k, v in find_count_keys(layout.config).items() if k not in count_keys}
     if others:
-        logger.warning(f"config count keys {others} differ from the expert count {E}; left unchanged")
+        logger.warning(
+            f"config count keys {others} differ from the expert count {E}; left unchanged"
+        )
     keep = plan.num_kept
     top_k = layout.top_k
     if top_k is not None and keep < top_k:
-        raise PlanError(f"the plan keeps {keep} experts per layer, fewer than top-k={top_k} in config.json")
+        raise PlanError(
+            f"the plan keeps {keep} experts per layer, fewer than top-k={top_k} in config.json"
+        )
     n_group, topk_group = layout.groups
     if n_group and n_group > 1 and (topk_group or n_group) < n_group:
         if E % n_group or keep % n_group:
-            raise PlanError(f"{E} -> {keep} experts do not split into n_group={n_group} equal groups")
+            raise PlanError(
+                f"{E} -> {keep} experts do not split into n_group={n_group} equal groups"
+            )
         size = E // n_group
         for p, ids in block_kept.items():
             per = [sum(1 for i in ids if i // size == g) for g in range(n_group)]
@@ -276,7 +313,9 @@ def bind_plan(layout: CheckpointLayout, plan: PruningPlan, *, extra_layers: Extr
 # quantization_config per-expert names
 
 
-def renumber_module_names(names: list, block_kept: Mapping[str, list[int]]) -> tuple[list, int, int]:
+def renumber_module_names(
+    names: list, block_kept: Mapping[str, list[int]]
+) -> tuple[list, int, int]:
     """Renumber / drop per-expert module names (``re:`` patterns are kept as they are).
 
     Returns ``(new_list, renumbered, dropped)``.
@@ -285,7 +324,11 @@ def renumber_module_names(names: list, block_kept: Mapping[str, list[int]]) -> t
     blocks = list(block_kept)
     remaps = {p: {old: new for new, old in enumerate(k)} for p, k in block_kept.items()}
     for item in names:
-        m = MODULE_EXPERT_RE.match(item) if isinstance(item, str) and not item.startswith("re:") else None
+        m = (
+            MODULE_EXPERT_RE.match(item)
+            if isinstance(item, str) and not item.startswith("re:")
+            else None
+        )
         if not m:
             out.append(item)
             continue

@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 from .errors import CheckpointError
 
@@ -152,7 +152,9 @@ class ByteMover:
                         pos = end
                         slot = (slot + 1) % RING_BUFFERS
                 if seg:
-                    raise CheckpointError(f"internal error: {len(seg)} byte range(s) of {src} not written")
+                    raise CheckpointError(
+                        f"internal error: {len(seg)} byte range(s) of {src} not written"
+                    )
             finally:
                 for i, f in enumerate(pending):  # never leave a buffer in use
                     if f is not None:

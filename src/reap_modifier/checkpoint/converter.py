@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
 
 import torch
 from loguru import logger
@@ -88,7 +88,7 @@ class ExpertPlanPruner(_ConverterBase):
     def validate(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = self.process(tensors)
         n = self.spec.new_count
-        for name, t in out.items():
+        for name, _t in out.items():
             m = PER_EXPERT_RE.match(name)
             if m and m["block"] in self.spec.block_kept and int(m["idx"]) >= n:
                 raise CheckpointError(f"{name}: expert index beyond the new count {n}")
@@ -125,16 +125,22 @@ class ExpertPlanPruner(_ConverterBase):
 
     # -- streaming writer ----------------------------------------------------------
 
-    def stream_shard(self, inverse_weight_map: Mapping[str, list[str]], save_path: str | os.PathLike) -> tuple[int, dict[str, str]]:
+    def stream_shard(
+        self, inverse_weight_map: Mapping[str, list[str]], save_path: str | os.PathLike
+    ) -> tuple[int, dict[str, str]]:
         """Write one output shard from source byte ranges (``convert_file``'s contract)."""
         if len(inverse_weight_map) != 1:
-            raise CheckpointError(f"a shard job reads {len(inverse_weight_map)} files; expected one")
+            raise CheckpointError(
+                f"a shard job reads {len(inverse_weight_map)} files; expected one"
+            )
         ((src_file, names),) = inverse_weight_map.items()
         src_file = Path(src_file)
         layout = self.spec.layout
         # the path as listed (a shard may be a symlink out of the folder, as in the
         # Hugging Face cache: snapshots/<rev>/x.safetensors -> ../../blobs/<sha>)
-        shard = Path(os.path.relpath(os.path.abspath(src_file), os.path.abspath(layout.path))).as_posix()
+        shard = Path(
+            os.path.relpath(os.path.abspath(src_file), os.path.abspath(layout.path))
+        ).as_posix()
         if shard not in layout.shards:
             shard = Path(os.path.relpath(src_file.resolve(), layout.path.resolve())).as_posix()
         if shard not in layout.shards:
@@ -142,7 +148,9 @@ class ExpertPlanPruner(_ConverterBase):
         header = layout.shards[shard]
         unindexed = set(header.entries) - set(names)
         if unindexed:
-            logger.warning(f"{shard}: {len(unindexed)} tensor(s) not in the index are not copied: {preview(sorted(unindexed))}")
+            logger.warning(
+                f"{shard}: {len(unindexed)} tensor(s) not in the index are not copied: {preview(sorted(unindexed))}"
+            )
         plan = self.spec.output_plan(shard, names)
         out_entries, segments, pos = [], [], 0
         for out_name, entry, ranges, shape in plan:
@@ -150,7 +158,11 @@ class ExpertPlanPruner(_ConverterBase):
             out_entries.append((out_name, entry.dtype, list(shape), pos, pos + size))
             pos += size
             segments.extend(ranges)
-            kind = "rows_selected" if shape != entry.shape else ("renamed" if out_name != entry.name else "copied")
+            kind = (
+                "rows_selected"
+                if shape != entry.shape
+                else ("renamed" if out_name != entry.name else "copied")
+            )
             with self._lock:
                 self.counts[kind] += 1
         with self._lock:
@@ -160,7 +172,11 @@ class ExpertPlanPruner(_ConverterBase):
             self._mover = ByteMover(self.output_checksum)
         first = not self.output_bytes
         out_hash = self._mover.copy(
-            src_file, Path(save_path), head, merge_ranges(segments), progress=self.progress,
+            src_file,
+            Path(save_path),
+            head,
+            merge_ranges(segments),
+            progress=self.progress,
             after_first_chunk=(lambda: pause_point("first-shard")) if first else None,
         )
         expect = len(head) + pos

@@ -40,7 +40,9 @@ def _is_within(child: Path, parent: Path) -> bool:
         return False
 
 
-def check_destination(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool = False) -> Path:
+def check_destination(
+    src: str | os.PathLike, dst: str | os.PathLike, *, force: bool = False
+) -> Path:
     """Refuse a destination that would overwrite or modify the source, or existing data.
 
     ``dst == src``, ``dst`` inside ``src`` and ``src`` inside ``dst`` are refused
@@ -52,18 +54,28 @@ def check_destination(src: str | os.PathLike, dst: str | os.PathLike, *, force: 
     dst_abs = Path(os.path.abspath(dst))
     dst_r = dst_abs.resolve()
     if dst_r == src_r:
-        raise DestinationError(f"output {dst} is the source checkpoint; refusing to overwrite it (even with --force)")
+        raise DestinationError(
+            f"output {dst} is the source checkpoint; refusing to overwrite it (even with --force)"
+        )
     if _is_within(dst_r, src_r):
-        raise DestinationError(f"output {dst} is inside the source checkpoint {src}; the source is never modified")
+        raise DestinationError(
+            f"output {dst} is inside the source checkpoint {src}; the source is never modified"
+        )
     if _is_within(src_r, dst_r):
-        raise DestinationError(f"the source {src} is inside the output {dst}; refusing (it would be replaced)")
+        raise DestinationError(
+            f"the source {src} is inside the output {dst}; refusing (it would be replaced)"
+        )
     if _WORK_NAME_RE.match(dst_abs.name):
-        raise DestinationError(f"output {dst} has the name of a reap prune temporary directory; choose another name")
+        raise DestinationError(
+            f"output {dst} has the name of a reap prune temporary directory; choose another name"
+        )
     if dst_abs.exists() or dst_abs.is_symlink():
         empty_dir = dst_abs.is_dir() and not dst_abs.is_symlink() and not any(dst_abs.iterdir())
         if not empty_dir and not force:
             kind = "a non-empty directory" if dst_abs.is_dir() else "a file"
-            raise DestinationError(f"output {dst} exists and is {kind}; pass --force (force=True) to replace it")
+            raise DestinationError(
+                f"output {dst} exists and is {kind}; pass --force (force=True) to replace it"
+            )
     parent = dst_abs.parent
     if not parent.is_dir():
         raise DestinationError(f"the parent directory of {dst} does not exist")
@@ -116,7 +128,7 @@ class DestinationClaim:
         #: False on a filesystem without locks: leftovers are then only named, not removed
         self.locked = False
 
-    def acquire(self) -> "DestinationClaim":
+    def acquire(self) -> DestinationClaim:
         import fcntl
         import socket
         import time
@@ -165,12 +177,16 @@ class DestinationClaim:
         """Remove work directories of runs that died (only ever called with the claim held)."""
         if not self.locked:  # they may belong to a live run
             for p in _leftovers(self.dst):
-                logger.warning(f"REAP: {p} may be left by an interrupted reap prune into {self.dst}; "
-                               "remove it by hand once no run writes there")
+                logger.warning(
+                    f"REAP: {p} may be left by an interrupted reap prune into {self.dst}; "
+                    "remove it by hand once no run writes there"
+                )
             return
         for p in _leftovers(self.dst):
             if work_dir_kind(p) == "old" and not (self.dst.exists() or self.dst.is_symlink()):
-                logger.warning(f"REAP: {p} is {self.dst} as it was before an interrupted swap; putting it back")
+                logger.warning(
+                    f"REAP: {p} is {self.dst} as it was before an interrupted swap; putting it back"
+                )
                 os.rename(p, self.dst)
                 continue
             logger.warning(f"REAP: removing {p}, left by an interrupted reap prune into {self.dst}")
@@ -185,7 +201,7 @@ class DestinationClaim:
         os.close(self._fd)
         self._fd = None
 
-    def __enter__(self) -> "DestinationClaim":
+    def __enter__(self) -> DestinationClaim:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
@@ -243,4 +259,6 @@ def _remove_previous(path: Path, dst: Path) -> None:
     try:
         _remove(path)
     except BaseException as exc:  # noqa: BLE001 - including Ctrl-C: dst is complete
-        logger.warning(f"REAP: {dst} is complete; could not remove the previous output at {path} ({exc!r})")
+        logger.warning(
+            f"REAP: {dst} is complete; could not remove the previous output at {path} ({exc!r})"
+        )

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping
 
 from ..models.config_keys import COUNT_KEYS, N_GROUP_KEYS, TOP_K_KEYS, TOPK_GROUP_KEYS
 from .errors import CheckpointError
@@ -45,7 +45,7 @@ SINGLE_FILE_NAME = "model.safetensors"
 PER_EXPERT_RE = re.compile(r"^(?P<block>.+)\.experts\.(?P<idx>\d+)\.(?P<rest>.+)$")
 FUSED_RE = re.compile(r"^(?P<block>.+)\.experts\.(?P<rest>[^.\d][^.]*(?:\..+)?)$")
 MODULE_EXPERT_RE = re.compile(r"^(?P<block>.+)\.experts\.(?P<idx>\d+)(?P<rest>(?:\..+)?)$")
-ROUTER_SEGMENT_RE = re.compile(r"\.(?:%s)\." % "|".join(ROUTER_MODULES))
+ROUTER_SEGMENT_RE = re.compile(r"\.(?:{})\.".format("|".join(ROUTER_MODULES)))
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(?P<idx>\d+)\.(?P<container>.+)$")
 
 
@@ -161,7 +161,9 @@ def set_dotted(config: dict, dotted: str, value) -> None:
 
 
 def read_weight_map(path: Path) -> tuple[str | None, dict[str, str]]:
-    index_files = sorted(p.name for p in path.iterdir() if p.name.endswith(".safetensors.index.json"))
+    index_files = sorted(
+        p.name for p in path.iterdir() if p.name.endswith(".safetensors.index.json")
+    )
     if len(index_files) > 1:
         raise CheckpointError(f"{path}: several safetensors index files {index_files}")
     if index_files:
@@ -202,7 +204,9 @@ def scan_moe_blocks(entries: Mapping[str, TensorEntry]) -> dict[str, MoEBlock]:
             fused.setdefault(m["block"], []).append(name)
     prefixes = set(per_expert) | set(fused)
     # an "experts" segment nested inside another block's expert is not a block
-    prefixes = {p for p in prefixes if not any(p.startswith(q + ".experts.") for q in prefixes if q != p)}
+    prefixes = {
+        p for p in prefixes if not any(p.startswith(q + ".experts.") for q in prefixes if q != p)
+    }
     routers: dict[str, list[str]] = {p: [] for p in prefixes}
     for name in entries:
         for m in ROUTER_SEGMENT_RE.finditer(name):
@@ -232,7 +236,9 @@ def scan_moe_blocks(entries: Mapping[str, TensorEntry]) -> dict[str, MoEBlock]:
     return blocks
 
 
-def check_block(block: MoEBlock, entries: Mapping[str, TensorEntry], expected: int | None = None) -> list[str]:
+def check_block(
+    block: MoEBlock, entries: Mapping[str, TensorEntry], expected: int | None = None
+) -> list[str]:
     """Structural problems of one MoE block (empty list when consistent)."""
     problems = []
     E = expected if expected is not None else block.num_experts
@@ -300,7 +306,9 @@ def check_packed_scales(entries: Mapping[str, TensorEntry], config: dict) -> lis
                 continue
             cols = packed.shape[1] * per  # the last element may hold padding
             if strategy in ("group", "tensor_group") and group_size:
-                widths = sorted({-(-n // group_size) for n in range(max(1, cols - per + 1), cols + 1)})
+                widths = sorted(
+                    {-(-n // group_size) for n in range(max(1, cols - per + 1), cols + 1)}
+                )
                 allowed += [(packed.shape[0], w) for w in widths]
             elif strategy == "channel":
                 allowed.append((packed.shape[0], 1))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import platform
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata as importlib_metadata
 
 from ..fileio import sha256_file, write_json_atomic
@@ -67,7 +67,7 @@ def build_manifest(
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": 1,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "method": method,
         "saliency": plan.saliency,
         "parameters": plan.params,

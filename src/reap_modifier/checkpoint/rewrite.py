@@ -107,11 +107,17 @@ def rewrite_checkpoint(
             raise CheckpointError(f"scores file {scores_path} does not exist")
         scores = {"path": str(scores_path.resolve()), "sha256": sha256_file(scores_path)}
 
-    cache = default_hash_cache() if hash_cache is None or hash_cache is True else (Path(hash_cache) if hash_cache else None)
+    cache = (
+        default_hash_cache()
+        if hash_cache is None or hash_cache is True
+        else (Path(hash_cache) if hash_cache else None)
+    )
     hasher = None
     if hash_source:
         hasher = SourceHasher(
-            {shard: layout.path / shard for shard in layout.shards}, workers=hash_workers, cache=cache
+            {shard: layout.path / shard for shard in layout.shards},
+            workers=hash_workers,
+            cache=cache,
         )
     bar = None
     claim = DestinationClaim(dst).acquire()
@@ -123,7 +129,9 @@ def rewrite_checkpoint(
         try:
             os.mkdir(tmp)
         except OSError as exc:
-            raise DestinationError(f"cannot create {tmp} ({exc.strerror}); choose an --out in a folder you can write") from exc
+            raise DestinationError(
+                f"cannot create {tmp} ({exc.strerror}); choose an --out in a folder you can write"
+            ) from exc
         if hasher is not None:
             hasher.prepare()
         if progress:
@@ -132,16 +140,27 @@ def rewrite_checkpoint(
             kept = sum(
                 r[1] - r[0]
                 for shard in layout.shards
-                for _, _, ranges, _ in spec.output_plan(shard, [n for n, s in layout.weight_map.items() if s == shard])
+                for _, _, ranges, _ in spec.output_plan(
+                    shard, [n for n, s in layout.weight_map.items() if s == shard]
+                )
                 for r in ranges
             )
             total = kept + (hasher.bytes_to_hash if hasher is not None else 0)
-            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reap prune", dynamic_ncols=True)
+            bar = tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="reap prune",
+                dynamic_ncols=True,
+            )
             if hasher is not None:
                 hasher.progress = bar.update
         if hasher is not None:
             hasher.start()
-        converter = ExpertPlanPruner(spec, progress=bar.update if bar else None, output_checksum=output_checksum)
+        converter = ExpertPlanPruner(
+            spec, progress=bar.update if bar else None, output_checksum=output_checksum
+        )
         convert(layout.path, tmp, converter)
         source_shards = hasher.result() if hasher is not None else None
         if bar is not None:
@@ -160,7 +179,10 @@ def rewrite_checkpoint(
                 "count_keys": spec.count_keys,
                 "index_file": layout.index_file,
                 "output_shards": {
-                    name: {"bytes": converter.output_bytes[name], converter.output_checksum: converter.output_checksums.get(name)}
+                    name: {
+                        "bytes": converter.output_bytes[name],
+                        converter.output_checksum: converter.output_checksums.get(name),
+                    }
                     for name in sorted(converter.output_bytes)
                 },
                 "output_checksum": converter.output_checksum,
@@ -177,7 +199,9 @@ def rewrite_checkpoint(
             plan,
             method=method,
             model_class=layout.model_class,
-            count_key=spec.count_keys[0] if len(spec.count_keys) == 1 else ",".join(spec.count_keys),
+            count_key=spec.count_keys[0]
+            if len(spec.count_keys) == 1
+            else ",".join(spec.count_keys),
             source=source,
             scores=scores,
             extra=extra,

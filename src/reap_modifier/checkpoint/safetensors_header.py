@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from .errors import CheckpointError
 
@@ -47,9 +47,7 @@ class TensorEntry:
             raise CheckpointError(f"{self.name}: a scalar has no rows to select")
         n = self.shape[0]
         if n == 0 or self.nbytes % n:
-            raise CheckpointError(
-                f"{self.name}: {self.nbytes} bytes do not split into {n} rows"
-            )
+            raise CheckpointError(f"{self.name}: {self.nbytes} bytes do not split into {n} rows")
         row = self.nbytes // n
         out: list[tuple[int, int]] = []
         for r in rows:
@@ -76,7 +74,9 @@ class ShardHeader:
         return 8 + self.header_len
 
 
-def read_safetensors_header(path: str | os.PathLike, shard: str | None = None, *, strict: bool = True) -> ShardHeader:
+def read_safetensors_header(
+    path: str | os.PathLike, shard: str | None = None, *, strict: bool = True
+) -> ShardHeader:
     """Parse a safetensors header; with ``strict`` check offsets cover the data exactly."""
     path = Path(path)
     shard = shard or path.name
@@ -100,7 +100,14 @@ def read_safetensors_header(path: str | os.PathLike, shard: str | None = None, *
     for name, info in header.items():
         try:
             b, e = (int(x) for x in info["data_offsets"])
-            entry = TensorEntry(name, shard, str(info["dtype"]), tuple(int(s) for s in info["shape"]), start + b, start + e)
+            entry = TensorEntry(
+                name,
+                shard,
+                str(info["dtype"]),
+                tuple(int(s) for s in info["shape"]),
+                start + b,
+                start + e,
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{path}: bad header entry for {name!r}: {exc}") from exc
         entries[name] = entry
@@ -131,7 +138,9 @@ def read_safetensors_header(path: str | os.PathLike, shard: str | None = None, *
     return ShardHeader(path, n, size, metadata, entries)
 
 
-def encode_header(entries: list[tuple[str, str, list[int], int, int]], metadata: dict | None) -> bytes:
+def encode_header(
+    entries: list[tuple[str, str, list[int], int, int]], metadata: dict | None
+) -> bytes:
     """safetensors header bytes (8-byte length + JSON padded with spaces to 8)."""
     header: dict = {}
     if metadata is not None:

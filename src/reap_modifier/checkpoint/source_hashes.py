@@ -6,9 +6,9 @@ import hashlib
 import json
 import os
 import threading
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Mapping
 
 from loguru import logger
 
@@ -17,6 +17,7 @@ from . import byte_copy
 from .errors import CheckpointError
 
 __all__ = ["SourceHasher", "default_hash_cache"]
+
 
 def default_hash_cache() -> Path | None:
     """``$REAP_SHA256_CACHE`` (``0`` / ``off`` disables), else
@@ -30,7 +31,13 @@ def default_hash_cache() -> Path | None:
 
 def _file_identity(path: Path) -> dict:
     st = path.stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino, "dev": st.st_dev}
+    return {
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "ino": st.st_ino,
+        "dev": st.st_dev,
+    }
 
 
 class SourceHasher:
@@ -75,7 +82,7 @@ class SourceHasher:
     def bytes_to_hash(self) -> int:
         return sum(self._ids[s]["size"] for s in self.files if s not in self._results)
 
-    def prepare(self) -> "SourceHasher":
+    def prepare(self) -> SourceHasher:
         """Look every shard up in the cache (cheap); :attr:`bytes_to_hash` is then known."""
         if self._ids:
             return self
@@ -89,12 +96,14 @@ class SourceHasher:
                 self.cached.append(shard)
         return self
 
-    def start(self) -> "SourceHasher":
+    def start(self) -> SourceHasher:
         """Start hashing the shards the cache did not answer for."""
         self.prepare()
         todo = [s for s in self.files if s not in self._results]
         if todo:
-            self._pool = ThreadPoolExecutor(min(self.workers, len(todo)), thread_name_prefix="reap-src-sha256")
+            self._pool = ThreadPoolExecutor(
+                min(self.workers, len(todo)), thread_name_prefix="reap-src-sha256"
+            )
             for shard in todo:
                 self._futures[shard] = self._pool.submit(self._hash, shard)
         return self
@@ -138,6 +147,8 @@ class SourceHasher:
             for shard in self._futures:
                 path = str(self.files[shard].resolve())
                 self._cache[path] = {**self._ids[shard], "sha256": self._results[shard]}
-            write_json_atomic(self.cache_path, {"format": "reap-sha256-cache", "files": self._cache})
+            write_json_atomic(
+                self.cache_path, {"format": "reap-sha256-cache", "files": self._cache}
+            )
         except OSError as exc:  # a cache is an optimisation, never a failure
             logger.warning(f"could not write the sha256 cache {self.cache_path}: {exc}")

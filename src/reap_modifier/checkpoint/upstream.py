@@ -86,7 +86,12 @@ def convert(src: Path, tmp: Path, converter: ExpertPlanPruner, *, stream: bool =
 
     ctx = upstream_gaps(converter) if stream else contextlib.nullcontext()
     try:
-        with _CONVERT_LOCK, ctx, _quiet_upstream_logs(), _upstream_progress_bars(converter.progress is not None):
+        with (
+            _CONVERT_LOCK,
+            ctx,
+            _quiet_upstream_logs(),
+            _upstream_progress_bars(converter.progress is not None),
+        ):
             convert_checkpoint(src, tmp, converter, device="cpu")
     finally:
         converter.close()
@@ -127,8 +132,10 @@ def _upstream_progress_bars(enabled: bool):
     import tqdm as tqdm_module
 
     quiet = types.SimpleNamespace(tqdm=functools.partial(tqdm_module.tqdm, disable=True))
-    modules = [importlib.import_module(_CONVERT_MODULE),
-               importlib.import_module("compressed_tensors.entrypoints.convert.memory")]
+    modules = [
+        importlib.import_module(_CONVERT_MODULE),
+        importlib.import_module("compressed_tensors.entrypoints.convert.memory"),
+    ]
     saved = [(m, m.__dict__.get("tqdm")) for m in modules if m.__dict__.get("tqdm") is tqdm_module]
     for m, _ in saved:
         m.tqdm = quiet

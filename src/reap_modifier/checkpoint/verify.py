@@ -25,9 +25,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 from .binding import ExpertRemap, resolve_block
 from .byte_copy import new_hasher
@@ -53,7 +53,7 @@ _CHUNK = 16 << 20
 class VerifyError(RuntimeError):
     """A checkpoint failed verification; ``.report`` holds every failure."""
 
-    def __init__(self, report: "VerifyReport"):
+    def __init__(self, report: VerifyReport):
         self.report = report
         super().__init__(report.summary())
 
@@ -76,7 +76,7 @@ class VerifyReport:
     def warn(self, msg: str) -> None:
         self.warnings.append(msg)
 
-    def raise_if_failed(self) -> "VerifyReport":
+    def raise_if_failed(self) -> VerifyReport:
         if self.failures:
             raise VerifyError(self)
         return self
@@ -229,7 +229,11 @@ def verify_checkpoint(
     counts = find_count_keys(config)
     mpath = dst / MANIFEST_NAME
     try:
-        recorded = (json.loads(mpath.read_text()).get("checkpoint") or {}).get("count_keys") if mpath.is_file() else None
+        recorded = (
+            (json.loads(mpath.read_text()).get("checkpoint") or {}).get("count_keys")
+            if mpath.is_file()
+            else None
+        )
     except (json.JSONDecodeError, AttributeError):
         recorded = None
     if recorded:
@@ -238,7 +242,9 @@ def verify_checkpoint(
             report.fail(f"config.json lacks the expert-count key {k} (set by the rewriter)")
     E = None
     if not counts:
-        report.fail("config.json has no expert-count key (num_experts / num_local_experts / n_routed_experts / moe_num_experts)")
+        report.fail(
+            "config.json has no expert-count key (num_experts / num_local_experts / n_routed_experts / moe_num_experts)"
+        )
     else:
         values = set(counts.values())
         if len(values) > 1:
@@ -260,7 +266,11 @@ def verify_checkpoint(
                 if isinstance(grp, dict)
             ):
                 for item in names or []:
-                    m = MODULE_EXPERT_RE.match(item) if isinstance(item, str) and not item.startswith("re:") else None
+                    m = (
+                        MODULE_EXPERT_RE.match(item)
+                        if isinstance(item, str) and not item.startswith("re:")
+                        else None
+                    )
                     if not m:
                         continue
                     try:
@@ -286,7 +296,8 @@ def verify_checkpoint(
             report.fail(f"{MANIFEST_NAME} is not valid JSON: {exc}")
     else:
         (report.fail if source is not None else report.warn)(
-            f"no {MANIFEST_NAME}: structural checks only" + (" (needed to compare with --source)" if source is not None else "")
+            f"no {MANIFEST_NAME}: structural checks only"
+            + (" (needed to compare with --source)" if source is not None else "")
         )
     block_kept = None
     out_hashes_expected: dict[str, tuple[str, str]] = {}
@@ -300,8 +311,10 @@ def verify_checkpoint(
             raise
         except (TypeError, ValueError, AttributeError, KeyError) as exc:
             # hand-edited or damaged: a failure to report, never a crash
-            report.fail(f"{MANIFEST_NAME} is malformed ({type(exc).__name__}: {exc}); checkpoint.block_kept, "
-                        "layers and output_shards must be as reap prune writes them")
+            report.fail(
+                f"{MANIFEST_NAME} is malformed ({type(exc).__name__}: {exc}); checkpoint.block_kept, "
+                "layers and output_shards must be as reap prune writes them"
+            )
             block_kept, out_hashes_expected = None, {}
 
     # -- output shard hashes (+ per-tensor hashes when comparing with the source) ------
@@ -314,7 +327,13 @@ def verify_checkpoint(
         )
         if kind is None and not requests:
             continue
-        whole, per = _hash_ranges(header.path, header.file_size, requests, whole=kind, progress=bar.update if bar else None)
+        whole, per = _hash_ranges(
+            header.path,
+            header.file_size,
+            requests,
+            whole=kind,
+            progress=bar.update if bar else None,
+        )
         if kind is not None and whole != expect:
             report.fail(
                 f"{shard}: {kind} {whole[:16]}... differs from the manifest's "
@@ -326,11 +345,15 @@ def verify_checkpoint(
 
     if source is not None and block_kept is not None:
         try:
-            _compare_with_source(Path(source), manifest, block_kept, entries, dst_tensor_sha, report, progress)
+            _compare_with_source(
+                Path(source), manifest, block_kept, entries, dst_tensor_sha, report, progress
+            )
         except CheckpointError as exc:
             report.fail(f"source: {exc}")
         except (TypeError, ValueError, AttributeError, KeyError) as exc:
-            report.fail(f"{MANIFEST_NAME} is malformed ({type(exc).__name__}: {exc}); cannot compare with the source")
+            report.fail(
+                f"{MANIFEST_NAME} is malformed ({type(exc).__name__}: {exc}); cannot compare with the source"
+            )
     report.info["checked_against_source"] = source is not None and block_kept is not None
     return report
 
@@ -340,12 +363,18 @@ def _bar(progress: bool, total: int, desc: str):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, dynamic_ncols=True)
+    return tqdm(
+        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, dynamic_ncols=True
+    )
 
 
-def _check_manifest(manifest, report, blocks, E, shards, out_hashes_expected) -> dict[str, list[int]] | None:
+def _check_manifest(
+    manifest, report, blocks, E, shards, out_hashes_expected
+) -> dict[str, list[int]] | None:
     if manifest.get("format") != MANIFEST_FORMAT:
-        report.fail(f"{MANIFEST_NAME}: format {manifest.get('format')!r} is not {MANIFEST_FORMAT!r}")
+        report.fail(
+            f"{MANIFEST_NAME}: format {manifest.get('format')!r} is not {MANIFEST_FORMAT!r}"
+        )
         return None
     after = manifest.get("num_experts_after")
     before = manifest.get("num_experts_before")
@@ -354,7 +383,9 @@ def _check_manifest(manifest, report, blocks, E, shards, out_hashes_expected) ->
     ck = manifest.get("checkpoint") or {}
     block_kept = ck.get("block_kept")
     if not isinstance(block_kept, dict):
-        report.fail(f"{MANIFEST_NAME}: no checkpoint.block_kept (not written by the checkpoint rewriter)")
+        report.fail(
+            f"{MANIFEST_NAME}: no checkpoint.block_kept (not written by the checkpoint rewriter)"
+        )
         return None
     if not all(isinstance(ids, list) for ids in block_kept.values()):
         report.fail(f"{MANIFEST_NAME}: checkpoint.block_kept must map layers to lists of ids")
@@ -366,16 +397,24 @@ def _check_manifest(manifest, report, blocks, E, shards, out_hashes_expected) ->
         report.fail(f"{MANIFEST_NAME}: names MoE layer {p}, which the checkpoint lacks")
     for p, ids in block_kept.items():
         if after is not None and len(ids) != after:
-            report.fail(f"{MANIFEST_NAME}: {p} keeps {len(ids)} experts, not num_experts_after={after}")
-        if ids != sorted(set(ids)) or (ids and (ids[0] < 0 or (before is not None and ids[-1] >= before))):
-            report.fail(f"{MANIFEST_NAME}: {p} kept ids are not ascending unique ids below {before}")
+            report.fail(
+                f"{MANIFEST_NAME}: {p} keeps {len(ids)} experts, not num_experts_after={after}"
+            )
+        if ids != sorted(set(ids)) or (
+            ids and (ids[0] < 0 or (before is not None and ids[-1] >= before))
+        ):
+            report.fail(
+                f"{MANIFEST_NAME}: {p} kept ids are not ascending unique ids below {before}"
+            )
     layers = manifest.get("layers") or {}
     for layer, prefix in (ck.get("layer_map") or {}).items():
         kept = (layers.get(layer) or {}).get("kept_original_ids")
         if kept is None:
             report.fail(f"{MANIFEST_NAME}: layer_map names plan layer {layer}, absent from layers")
         elif block_kept.get(prefix) != kept:
-            report.fail(f"{MANIFEST_NAME}: kept ids of {layer} and of checkpoint block {prefix} disagree")
+            report.fail(
+                f"{MANIFEST_NAME}: kept ids of {layer} and of checkpoint block {prefix} disagree"
+            )
     out = ck.get("output_shards") or {}
     for shard in sorted(set(shards) - set(out)):
         report.fail(f"{MANIFEST_NAME}: shard {shard} is not among the manifest's output shards")
@@ -384,7 +423,9 @@ def _check_manifest(manifest, report, blocks, E, shards, out_hashes_expected) ->
             report.fail(f"{MANIFEST_NAME}: output shard {shard} is missing from the checkpoint")
             continue
         if info.get("bytes") is not None and info["bytes"] != shards[shard].file_size:
-            report.fail(f"{shard}: {shards[shard].file_size} bytes, the manifest says {info['bytes']}")
+            report.fail(
+                f"{shard}: {shards[shard].file_size} bytes, the manifest says {info['bytes']}"
+            )
         for kind in ("sha256", "xxh3_128"):
             if info.get(kind):
                 try:
@@ -397,7 +438,9 @@ def _check_manifest(manifest, report, blocks, E, shards, out_hashes_expected) ->
     return block_kept
 
 
-def _compare_with_source(src: Path, manifest, block_kept, dst_entries, dst_tensor_sha, report, progress) -> None:
+def _compare_with_source(
+    src: Path, manifest, block_kept, dst_entries, dst_tensor_sha, report, progress
+) -> None:
     sub = VerifyReport(path=str(src))
     loaded = _load_structure(src, sub, "source")
     report.failures.extend(sub.failures)
@@ -435,10 +478,15 @@ def _compare_with_source(src: Path, manifest, block_kept, dst_entries, dst_tenso
     src_sha: dict[str, str] = {}
     for shard, header in shards.items():
         requests = {
-            out: ranges for out, (name, ranges, _, _) in expected.items() if weight_map[name] == shard
+            out: ranges
+            for out, (name, ranges, _, _) in expected.items()
+            if weight_map[name] == shard
         }
         whole, per = _hash_ranges(
-            header.path, header.file_size, requests, whole="sha256" if shard in src_shards else None,
+            header.path,
+            header.file_size,
+            requests,
+            whole="sha256" if shard in src_shards else None,
             progress=bar.update if bar else None,
         )
         if shard in src_shards and whole != src_shards[shard]:
@@ -456,7 +504,9 @@ def _compare_with_source(src: Path, manifest, block_kept, dst_entries, dst_tenso
             report.fail(f"{out_name} (from source {name}) is missing from the output")
             continue
         if d.dtype != dtype or tuple(d.shape) != tuple(shape):
-            report.fail(f"{out_name}: {d.dtype}{list(d.shape)}, expected {dtype}{list(shape)} from source {name}")
+            report.fail(
+                f"{out_name}: {d.dtype}{list(d.shape)}, expected {dtype}{list(shape)} from source {name}"
+            )
             continue
         got, want = dst_tensor_sha.get(out_name), src_sha.get(out_name)
         if got != want:
@@ -466,5 +516,7 @@ def _compare_with_source(src: Path, manifest, block_kept, dst_entries, dst_tenso
             continue
         matched += 1
     for out_name in sorted(set(dst_entries) - set(expected)):
-        report.fail(f"{out_name}: in the output but produced by no source tensor under the manifest's remap")
+        report.fail(
+            f"{out_name}: in the output but produced by no source tensor under the manifest's remap"
+        )
     report.info["tensors_matching_source"] = matched

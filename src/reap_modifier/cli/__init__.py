@@ -13,6 +13,7 @@ message says what to change, nothing was written); 130 ``reap prune`` interrupte
 from __future__ import annotations
 
 from importlib import import_module
+
 import typer
 
 __all__ = ["app"]

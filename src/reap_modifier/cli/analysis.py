@@ -8,7 +8,6 @@ space-separated after one flag (``--keep 672 448 384 224``) or repeated.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.table import Table
@@ -31,10 +30,10 @@ COMPARE_EXAMPLE = (
 
 def tiers_cmd(
     scores: Path = typer.Argument(..., help="scores file"),
-    keep: Optional[list[int]] = typer.Option(None, "--keep", help="keep counts (several)"),
-    sparsity: Optional[list[float]] = typer.Option(None, "--sparsity", help="sparsities (several)"),
-    saliency: Optional[str] = typer.Option(None, "--saliency", help="criterion (default reap)"),
-    out_dir: Optional[Path] = typer.Option(None, "-o", "--out", help="write tiers.json/.md/.png here"),
+    keep: list[int] | None = typer.Option(None, "--keep", help="keep counts (several)"),
+    sparsity: list[float] | None = typer.Option(None, "--sparsity", help="sparsities (several)"),
+    saliency: str | None = typer.Option(None, "--saliency", help="criterion (default reap)"),
+    out_dir: Path | None = typer.Option(None, "-o", "--out", help="write tiers.json/.md/.png here"),
 ) -> None:
     """Retained saliency mass per tier, marginal cost per pruned expert, and whether
     the saliency curve has a knee."""
@@ -48,17 +47,23 @@ def tiers_cmd(
         report = tiers_report(s, keep or [], sparsities=sparsity or [], saliency=saliency)
     except _ERRORS as exc:
         fail(exc)
-    table = Table(title=f"retained {report['saliency']} mass ({report['num_layers']} layers x "
-                        f"{report['num_experts']} experts)")
+    table = Table(
+        title=f"retained {report['saliency']} mass ({report['num_layers']} layers x "
+        f"{report['num_experts']} experts)"
+    )
     for col in ("keep", "pruned", "retained (mean)", "min layer", "cost/expert since prev tier"):
         table.add_column(col, justify="right")
     between = {b["to_keep"]: b for b in report["between_tiers"]}
     for t in report["tiers"]:
         b = between.get(t["keep"])
         table.add_row(
-            str(t["keep"]), f"{100 * t['pruned_fraction']:.1f}%",
-            f"{100 * t['retained_mass_mean']:.1f}%", f"{100 * t['retained_mass_min']:.1f}%",
-            "-" if b is None else f"{100 * b['cost_per_expert']:.4f}% ({b['cost_per_expert_vs_uniform']:.2f}x uniform)",
+            str(t["keep"]),
+            f"{100 * t['pruned_fraction']:.1f}%",
+            f"{100 * t['retained_mass_mean']:.1f}%",
+            f"{100 * t['retained_mass_min']:.1f}%",
+            "-"
+            if b is None
+            else f"{100 * b['cost_per_expert']:.4f}% ({b['cost_per_expert_vs_uniform']:.2f}x uniform)",
         )
     console.print(table)
     console.print(f"[bold]Is there a knee?[/] {report['answer']}", soft_wrap=True)
@@ -69,17 +74,20 @@ def tiers_cmd(
 
 def compare_cmd(
     files: list[Path] = typer.Argument(..., help="scores files A B [C ...], earlier first"),
-    keep: Optional[int] = typer.Option(None, "--keep", help="experts kept per layer"),
-    sparsity: Optional[float] = typer.Option(None, "--sparsity", help="or a sparsity"),
-    divisible_by: Optional[int] = typer.Option(None, "--divisible-by"),
-    saliency: Optional[str] = typer.Option(None, "--saliency", help="criterion for calibration files"),
-    corpus_of: Optional[list[str]] = typer.Option(
-        None, "--corpus-of", help="LABEL=corpus, e.g. B=en C=en+zh (label A, B, ... or file name)"),
-    per_source: Optional[list[str]] = typer.Option(
-        None, "--per-source", help="SOURCE=FILE scores calibrated on one source, e.g. en=SA zh=SB"),
+    keep: int | None = typer.Option(None, "--keep", help="experts kept per layer"),
+    sparsity: float | None = typer.Option(None, "--sparsity", help="or a sparsity"),
+    divisible_by: int | None = typer.Option(None, "--divisible-by"),
+    saliency: str | None = typer.Option(None, "--saliency", help="criterion for calibration files"),
+    corpus_of: list[str] | None = typer.Option(
+        None, "--corpus-of", help="LABEL=corpus, e.g. B=en C=en+zh (label A, B, ... or file name)"
+    ),
+    per_source: list[str] | None = typer.Option(
+        None, "--per-source", help="SOURCE=FILE scores calibrated on one source, e.g. en=SA zh=SB"
+    ),
     threshold: float = typer.Option(1.5, "--ratio", help="routing-rate ratio threshold"),
-    out_dir: Optional[Path] = typer.Option(
-        None, "-o", "--out", help="also write compare.md/.json and PNGs into this folder"),
+    out_dir: Path | None = typer.Option(
+        None, "-o", "--out", help="also write compare.md/.json and PNGs into this folder"
+    ),
 ) -> None:
     """Compare rankings pairwise: keep/drop flips per layer and overall, retained mass,
     and promoted experts' routing ratio between corpora and support."""
@@ -97,7 +105,9 @@ def compare_cmd(
             corpus = None
             for key in (label, path.stem, path.name, str(path)):
                 corpus = corpora.pop(key, None) or corpus
-            rankings.append(Ranking(label=label, scores=ExpertScores.load(path), path=str(path), corpus=corpus))
+            rankings.append(
+                Ranking(label=label, scores=ExpertScores.load(path), path=str(path), corpus=corpus)
+            )
         if corpora:
             raise ScoresError(
                 f"--corpus-of names unknown rankings {sorted(corpora)}; use the labels "
@@ -105,29 +115,53 @@ def compare_cmd(
             )
         per = {src: ExpertScores.load(Path(p)) for src, p in sources.items()} or None
         result = compare_rankings(
-            rankings, keep, sparsity=sparsity, divisible_by=divisible_by, saliency=saliency,
-            per_source=per, threshold=threshold,
+            rankings,
+            keep,
+            sparsity=sparsity,
+            divisible_by=divisible_by,
+            saliency=saliency,
+            per_source=per,
+            threshold=threshold,
         )
     except _ERRORS as exc:
         fail(exc)
     table = Table(title=f"keep/drop flips at keep {result['keep']} ({result['num_layers']} layers)")
-    for col in ("pair", "change", "flips", "% kept slots", "x first", "mass earlier/later",
-                "promoted >=%gx by b (all)" % result["threshold"]):
+    for col in (
+        "pair",
+        "change",
+        "flips",
+        "% kept slots",
+        "x first",
+        "mass earlier/later",
+        "promoted >={:g}x by b (all)".format(result["threshold"]),
+    ):
         table.add_column(col, justify="left" if col in ("pair", "change") else "right")
     for p in result["pairs"]:
         m = p["mass"]
-        mass = " / ".join("n/a" if v is None else f"{100 * v:.1f}%"
-                          for v in (m["own_earlier"], m["own_later"]))
-        route = "; ".join(
-            f"{r['b']}/{r['a']}: "
-            + ("n/a" if r["promoted_frac_more_by_b"] is None else f"{100 * r['promoted_frac_more_by_b']:.0f}%")
-            + f" ({100 * r['all_frac_more_by_b']:.0f}%)"
-            for r in p["routing"]
-        ) or "-"
+        mass = " / ".join(
+            "n/a" if v is None else f"{100 * v:.1f}%" for v in (m["own_earlier"], m["own_later"])
+        )
+        route = (
+            "; ".join(
+                f"{r['b']}/{r['a']}: "
+                + (
+                    "n/a"
+                    if r["promoted_frac_more_by_b"] is None
+                    else f"{100 * r['promoted_frac_more_by_b']:.0f}%"
+                )
+                + f" ({100 * r['all_frac_more_by_b']:.0f}%)"
+                for r in p["routing"]
+            )
+            or "-"
+        )
         table.add_row(
-            f"{p['earlier']} -> {p['later']}", p["change"], f"{p['flips']:,}",
+            f"{p['earlier']} -> {p['later']}",
+            p["change"],
+            f"{p['flips']:,}",
             f"{p['pct_of_kept_slots']:.2f}%",
-            "-" if p["x_first_pair"] is None else f"{p['x_first_pair']:.2f}x", mass, route,
+            "-" if p["x_first_pair"] is None else f"{p['x_first_pair']:.2f}x",
+            mass,
+            route,
         )
     console.print(table)
     if out_dir is not None:
@@ -138,4 +172,6 @@ def compare_cmd(
 def register(app: typer.Typer) -> None:
     """Add ``tiers`` and ``compare`` to ``app``."""
     app.command("tiers", cls=greedy("--keep", "--sparsity"), epilog=TIERS_EXAMPLE)(tiers_cmd)
-    app.command("compare", cls=greedy("--corpus-of", "--per-source"), epilog=COMPARE_EXAMPLE)(compare_cmd)
+    app.command("compare", cls=greedy("--corpus-of", "--per-source"), epilog=COMPARE_EXAMPLE)(
+        compare_cmd
+    )

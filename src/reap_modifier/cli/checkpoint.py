@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -88,7 +87,11 @@ def build_plan_from_scores(
     top_k = layout.top_k if layout.top_k is not None else meta.get("top_k")
     if top_k is None:
         raise CheckpointError("neither config.json nor the scores file states top-k")
-    if meta.get("top_k") is not None and layout.top_k is not None and int(meta["top_k"]) != layout.top_k:
+    if (
+        meta.get("top_k") is not None
+        and layout.top_k is not None
+        and int(meta["top_k"]) != layout.top_k
+    ):
         raise CheckpointError(f"scores file has top_k={meta['top_k']}, config.json {layout.top_k}")
     n_group, topk_group = layout.groups
     if n_group is None:
@@ -126,29 +129,58 @@ def build_plan_from_scores(
 def register(app: typer.Typer) -> None:
     @app.command("prune", epilog=PRUNE_EXAMPLE)
     def prune(
-        src: Path = typer.Argument(..., help="source checkpoint directory (safetensors, e.g. MXFP4 compressed-tensors)"),
-        out: Path = typer.Option(..., "--out", "-o", help="output directory (written to a temp dir next to it, then renamed)"),
-        scores: Optional[Path] = typer.Option(None, "--scores", help="scores file (safetensors) to cut the plan from"),
-        plan: Optional[Path] = typer.Option(None, "--plan", help="plan.json to apply instead of cutting one"),
-        keep: Optional[int] = typer.Option(None, "--keep", help="experts to keep per layer"),
-        sparsity: Optional[float] = typer.Option(None, "--sparsity", help="fraction of experts to drop, in (0, 1)"),
-        divisible_by: Optional[int] = typer.Option(None, "--divisible-by", help="round the keep count down to a multiple of this"),
-        saliency: str = typer.Option("reap", "--saliency", help="criterion: reap, frequency, weighted_frequency, ean, ean_mean, max_norm"),
+        src: Path = typer.Argument(
+            ..., help="source checkpoint directory (safetensors, e.g. MXFP4 compressed-tensors)"
+        ),
+        out: Path = typer.Option(
+            ...,
+            "--out",
+            "-o",
+            help="output directory (written to a temp dir next to it, then renamed)",
+        ),
+        scores: Path | None = typer.Option(
+            None, "--scores", help="scores file (safetensors) to cut the plan from"
+        ),
+        plan: Path | None = typer.Option(
+            None, "--plan", help="plan.json to apply instead of cutting one"
+        ),
+        keep: int | None = typer.Option(None, "--keep", help="experts to keep per layer"),
+        sparsity: float | None = typer.Option(
+            None, "--sparsity", help="fraction of experts to drop, in (0, 1)"
+        ),
+        divisible_by: int | None = typer.Option(
+            None, "--divisible-by", help="round the keep count down to a multiple of this"
+        ),
+        saliency: str = typer.Option(
+            "reap",
+            "--saliency",
+            help="criterion: reap, frequency, weighted_frequency, ean, ean_mean, max_norm",
+        ),
         extra_layers: str = typer.Option(
             "error",
             "--extra-layers",
             help="MoE layers in the checkpoint but not in the plan (e.g. an MTP layer): 'error' or 'like-last' (cut like the deepest plan layer)",
         ),
-        save_plan: Optional[Path] = typer.Option(None, "--save-plan", help="also write the plan used to this JSON file"),
-        force: bool = typer.Option(False, "--force", help="replace an existing non-empty output (never the source)"),
-        no_hash_source: bool = typer.Option(False, "--no-hash-source", help="skip sha256 of the source shards (faster; manifest then lacks them)"),
+        save_plan: Path | None = typer.Option(
+            None, "--save-plan", help="also write the plan used to this JSON file"
+        ),
+        force: bool = typer.Option(
+            False, "--force", help="replace an existing non-empty output (never the source)"
+        ),
+        no_hash_source: bool = typer.Option(
+            False,
+            "--no-hash-source",
+            help="skip sha256 of the source shards (faster; manifest then lacks them)",
+        ),
         no_hash_cache: bool = typer.Option(
             False,
             "--no-hash-cache",
             help="rehash every source shard (by default a shard's sha256 is reused while its size/mtime/ctime/inode are unchanged; cache file: $REAP_SHA256_CACHE or ~/.cache/reap-modifier/sha256.json)",
         ),
-        output_checksum: Optional[str] = typer.Option(
-            None, "--output-checksum", help="checksum recorded per output shard: xxh3_128 (default, fast) or sha256"
+        output_checksum: str | None = typer.Option(
+            None,
+            "--output-checksum",
+            help="checksum recorded per output shard: xxh3_128 (default, fast) or sha256",
         ),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     ):
@@ -166,8 +198,12 @@ def register(app: typer.Typer) -> None:
 
         if (scores is None) == (plan is None):
             fail("give exactly one of --scores (with --keep or --sparsity) or --plan")
-        if plan is not None and (keep is not None or sparsity is not None or divisible_by is not None):
-            fail("--keep / --sparsity / --divisible-by cut a plan from --scores; they do not apply to --plan")
+        if plan is not None and (
+            keep is not None or sparsity is not None or divisible_by is not None
+        ):
+            fail(
+                "--keep / --sparsity / --divisible-by cut a plan from --scores; they do not apply to --plan"
+            )
         if scores is not None and (keep is None) == (sparsity is None):
             fail("with --scores give exactly one of --keep N or --sparsity S")
         if output_checksum not in (None, "xxh3_128", "sha256"):
@@ -179,7 +215,9 @@ def register(app: typer.Typer) -> None:
         try:
             layout = inspect_checkpoint(src)
             if layout.unindexed_files:
-                raise CheckpointError(f"{src}: safetensors file(s) {layout.unindexed_files} are not in the weight index")
+                raise CheckpointError(
+                    f"{src}: safetensors file(s) {layout.unindexed_files} are not in the weight index"
+                )
             check_destination(src, out, force=force)
             if plan is not None:
                 the_plan = PruningPlan.load(plan)
@@ -187,7 +225,12 @@ def register(app: typer.Typer) -> None:
                 if not layout.blocks:
                     raise CheckpointError(f"{src}: no MoE layer in the checkpoint")
                 the_plan = build_plan_from_scores(
-                    scores, layout, keep=keep, sparsity=sparsity, divisible_by=divisible_by, saliency=saliency
+                    scores,
+                    layout,
+                    keep=keep,
+                    sparsity=sparsity,
+                    divisible_by=divisible_by,
+                    saliency=saliency,
                 )
             spec = bind_plan(layout, the_plan, extra_layers=extra_layers)
         except (CheckpointError, PlanError, ScoresError) as exc:
@@ -202,7 +245,11 @@ def register(app: typer.Typer) -> None:
         typer.echo(
             f"pruning {src} -> {out}: {the_plan.num_experts} -> {the_plan.num_kept} experts in "
             f"{len(spec.block_kept)} MoE layers"
-            + (f" ({len(spec.extra)} cut like {sorted({v['kept_from'] for v in spec.extra.values()})})" if spec.extra else ""),
+            + (
+                f" ({len(spec.extra)} cut like {sorted({v['kept_from'] for v in spec.extra.values()})})"
+                if spec.extra
+                else ""
+            ),
             err=True,
         )
         try:
@@ -218,43 +265,69 @@ def register(app: typer.Typer) -> None:
                     hash_source=not no_hash_source,
                     hash_cache=False if no_hash_cache else None,
                     output_checksum=output_checksum,
-                    manifest_extra={"cli": {"argv": sys.argv[1:], "plan_file": str(plan) if plan else None}},
+                    manifest_extra={
+                        "cli": {"argv": sys.argv[1:], "plan_file": str(plan) if plan else None}
+                    },
                 )
         except DestinationError as exc:  # taken by another run meanwhile, not writable
             fail(exc)
         except (CheckpointError, PlanError) as exc:
             fail(exc, EXIT_CHECK_FAILED)
         except KeyboardInterrupt:
-            fail(f"interrupted: {out} was not written (nor replaced) and the source is untouched; "
-                 "rerun the same command to start again", EXIT_INTERRUPTED)
+            fail(
+                f"interrupted: {out} was not written (nor replaced) and the source is untouched; "
+                "rerun the same command to start again",
+                EXIT_INTERRUPTED,
+            )
         except OSError as exc:
-            fail(f"{exc.strerror or exc} ({exc.filename or out}): {out} was not written (nor replaced) "
-                 "and the source is untouched", EXIT_CHECK_FAILED)
+            fail(
+                f"{exc.strerror or exc} ({exc.filename or out}): {out} was not written (nor replaced) "
+                "and the source is untouched",
+                EXIT_CHECK_FAILED,
+            )
         typer.echo(str(dst))
 
     @app.command("verify", epilog=VERIFY_EXAMPLE)
     def verify(
         dst: Path = typer.Argument(..., help="checkpoint directory to verify (a pruned output)"),
-        source: Optional[Path] = typer.Option(None, "--source", help="the source checkpoint: compare every tensor's sha256"),
+        source: Path | None = typer.Option(
+            None, "--source", help="the source checkpoint: compare every tensor's sha256"
+        ),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
         vllm: bool = typer.Option(
-            False, "--vllm", help="also check that vLLM loads the checkpoint and serves the tokens transformers computes"
+            False,
+            "--vllm",
+            help="also check that vLLM loads the checkpoint and serves the tokens transformers computes",
         ),
-        vllm_python: Optional[Path] = typer.Option(
-            None, "--vllm-python", help="Python of an environment with vLLM (default: $REAP_VLLM_PYTHON, ./.venv-vllm/bin/python)"
+        vllm_python: Path | None = typer.Option(
+            None,
+            "--vllm-python",
+            help="Python of an environment with vLLM (default: $REAP_VLLM_PYTHON, ./.venv-vllm/bin/python)",
         ),
         vllm_mode: str = typer.Option(
-            "auto", "--vllm-mode", help="serve (OpenAI server + greedy tokens), load (weight loading only), auto"
+            "auto",
+            "--vllm-mode",
+            help="serve (OpenAI server + greedy tokens), load (weight loading only), auto",
         ),
-        vllm_dtype: str = typer.Option("auto", "--vllm-dtype", help="compute dtype on both sides: auto, bfloat16, float32"),
-        vllm_arg: Optional[list[str]] = typer.Option(
-            None, "--vllm-arg", help="extra vLLM server argument, e.g. --vllm-arg=--tensor-parallel-size=8 (repeatable)"
+        vllm_dtype: str = typer.Option(
+            "auto", "--vllm-dtype", help="compute dtype on both sides: auto, bfloat16, float32"
         ),
-        vllm_max_tokens: int = typer.Option(16, "--vllm-max-tokens", help="greedy tokens per prompt"),
+        vllm_arg: list[str] | None = typer.Option(
+            None,
+            "--vllm-arg",
+            help="extra vLLM server argument, e.g. --vllm-arg=--tensor-parallel-size=8 (repeatable)",
+        ),
+        vllm_max_tokens: int = typer.Option(
+            16, "--vllm-max-tokens", help="greedy tokens per prompt"
+        ),
         no_reference: bool = typer.Option(
-            False, "--no-reference", help="do not load the model in transformers: prove loading/serving only"
+            False,
+            "--no-reference",
+            help="do not load the model in transformers: prove loading/serving only",
         ),
-        vllm_work_dir: Optional[Path] = typer.Option(None, "--vllm-work-dir", help="where server logs and the JSON report go"),
+        vllm_work_dir: Path | None = typer.Option(
+            None, "--vllm-work-dir", help="where server logs and the JSON report go"
+        ),
     ):
         """Check a pruned checkpoint: counts, routers, expert indices, manifest, and (with --source) bytes."""
         from ..checkpoint.errors import CheckpointError
@@ -267,21 +340,36 @@ def register(app: typer.Typer) -> None:
         for w in report.warnings:
             typer.echo(f"warning: {w}", err=True)
         if not report.ok:
-            check_failed(report.failures, f"{dst}: verification FAILED ({len(report.failures)} problem(s))")
+            check_failed(
+                report.failures, f"{dst}: verification FAILED ({len(report.failures)} problem(s))"
+            )
         info = report.info
         typer.echo(
             f"{dst}: OK ({info.get('moe_layers')} MoE layers x {info.get('num_experts')} experts, "
             f"{info.get('tensors')} tensors in {info.get('shards')} shards"
-            + (f", {info.get('tensors_matching_source')} tensors sha256-equal to the source" if info.get("checked_against_source") else "")
+            + (
+                f", {info.get('tensors_matching_source')} tensors sha256-equal to the source"
+                if info.get("checked_against_source")
+                else ""
+            )
             + ")"
         )
         if vllm:
             _verify_with_vllm(
-                dst, vllm_python, vllm_mode, vllm_dtype, vllm_arg or [], vllm_max_tokens, not no_reference, vllm_work_dir
+                dst,
+                vllm_python,
+                vllm_mode,
+                vllm_dtype,
+                vllm_arg or [],
+                vllm_max_tokens,
+                not no_reference,
+                vllm_work_dir,
             )
 
 
-def _verify_with_vllm(dst, python, mode, dtype, server_args, max_tokens, reference, work_dir) -> None:
+def _verify_with_vllm(
+    dst, python, mode, dtype, server_args, max_tokens, reference, work_dir
+) -> None:
     """``reap verify --vllm``: print what was proved (loaded / served / tokens match)."""
     from ..serving.vllm_check import VllmNotFound, check_with_vllm
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -37,9 +36,15 @@ def _print_calibration_runs(s: ExpertScores) -> None:
         title="calibration: what each run and rank observed",
         caption="padding: positions with attention mask 0, left out of every statistic",
     )
-    for col, justify in (("run", "right"), ("source", "left"), ("world size", "right"),
-                         ("rank", "right"), ("samples", "right"), ("tokens", "right"),
-                         ("padding", "right")):
+    for col, justify in (
+        ("run", "right"),
+        ("source", "left"),
+        ("world size", "right"),
+        ("rank", "right"),
+        ("samples", "right"),
+        ("tokens", "right"),
+        ("padding", "right"),
+    ):
         table.add_column(col, justify=justify)
 
     def num(value) -> str:
@@ -50,11 +55,25 @@ def _print_calibration_runs(s: ExpertScores) -> None:
         world = num(run.get("world_size"))
         ranks = run.get("ranks") or []
         for r in ranks:
-            table.add_row(str(i), source, world, str(r.get("rank")), num(r.get("samples")),
-                          num(r.get("tokens")), num(r.get("padding")))
+            table.add_row(
+                str(i),
+                source,
+                world,
+                str(r.get("rank")),
+                num(r.get("samples")),
+                num(r.get("tokens")),
+                num(r.get("padding")),
+            )
         if len(ranks) != 1:  # the run's total (the only row when ranks were not recorded)
-            table.add_row(str(i), source, world, "all", num(run.get("samples")),
-                          num(run.get("tokens")), num(run.get("padding_skipped")))
+            table.add_row(
+                str(i),
+                source,
+                world,
+                "all",
+                num(run.get("samples")),
+                num(run.get("tokens")),
+                num(run.get("padding_skipped")),
+            )
         if i < len(runs):
             table.add_section()
     console.print(table)
@@ -69,7 +88,8 @@ scores_app = typer.Typer(
 
 
 @scores_app.command(
-    "merge", epilog="Example: reap scores merge scores_en.safetensors scores_zh.safetensors -o scores_en_zh.safetensors"
+    "merge",
+    epilog="Example: reap scores merge scores_en.safetensors scores_zh.safetensors -o scores_en_zh.safetensors",
 )
 def merge_cmd(
     inputs: list[Path] = typer.Argument(..., help="two or more scores files from the same model"),
@@ -113,8 +133,17 @@ def show_cmd(
     meta.add_column("key", style="bold")
     meta.add_column("value")
     meta.add_row("kind", s.kind + (f" ({s.method})" if s.method else ""))
-    for key in ("model_class", "num_experts", "top_k", "n_group", "topk_group",
-                "num_moe_layers", "runs", "seed", "source_checkpoint"):
+    for key in (
+        "model_class",
+        "num_experts",
+        "top_k",
+        "n_group",
+        "topk_group",
+        "num_moe_layers",
+        "runs",
+        "seed",
+        "source_checkpoint",
+    ):
         if s.metadata.get(key) is not None:
             meta.add_row(key, str(s.metadata[key]))
     meta.add_row("layers in file", str(len(s.layers)))
@@ -124,8 +153,15 @@ def show_cmd(
         meta.add_row("total tokens", f"{s.total_tokens():,}")
     for key, value in s.metadata.items():
         if key in ("tokens", "kind", "method", "calibration") or key in {
-            "model_class", "num_experts", "top_k", "n_group", "topk_group",
-            "num_moe_layers", "runs", "seed", "source_checkpoint",
+            "model_class",
+            "num_experts",
+            "top_k",
+            "n_group",
+            "topk_group",
+            "num_moe_layers",
+            "runs",
+            "seed",
+            "source_checkpoint",
         }:
             continue
         text = str(value)
@@ -140,8 +176,12 @@ def show_cmd(
             table.add_column(col, justify="right")
         for layer, stats in s.layers.items():
             v = stats[s.method]
-            table.add_row(layer, f"{float(v.min()):.4g}", f"{float(torch.quantile(v, 0.5)):.4g}",
-                          f"{float(v.max()):.4g}")
+            table.add_row(
+                layer,
+                f"{float(v.min()):.4g}",
+                f"{float(torch.quantile(v, 0.5)):.4g}",
+                f"{float(v.max()):.4g}",
+            )
         console.print(table)
         return
 
@@ -157,8 +197,13 @@ def show_cmd(
     for src in sources:
         table.add_column(f"median @{src}", justify="right")
     for layer, sup in support.items():
-        row = [layer, _fmt_int(sup["median"]), _fmt_int(sup["min"]), _fmt_int(sup["max"]),
-               str(sup["never_routed"])]
+        row = [
+            layer,
+            _fmt_int(sup["median"]),
+            _fmt_int(sup["min"]),
+            _fmt_int(sup["max"]),
+            str(sup["never_routed"]),
+        ]
         for src in sources:
             c = s.layers[layer].get(f"count@{src}")
             row.append("-" if c is None else _fmt_int(float(torch.quantile(c, 0.5))))
@@ -178,7 +223,8 @@ def show_cmd(
 
 
 @scores_app.command(
-    "from-weights", epilog="Example: reap scores from-weights /models/K3 --method router_l1 -o l1.safetensors"
+    "from-weights",
+    epilog="Example: reap scores from-weights /models/K3 --method router_l1 -o l1.safetensors",
 )
 def from_weights_cmd(
     checkpoint: Path = typer.Argument(..., help="safetensors checkpoint folder (or one file)"),
@@ -208,13 +254,14 @@ CUT_EXAMPLE = "Example: reap cut scores.safetensors --keep 448 --divisible-by 8 
 
 def cut_cmd(
     scores: Path = typer.Argument(..., help="scores file"),
-    keep: Optional[int] = typer.Option(None, "--keep", help="experts to keep per layer"),
-    sparsity: Optional[float] = typer.Option(None, "--sparsity", help="fraction of experts to drop"),
-    divisible_by: Optional[int] = typer.Option(None, "--divisible-by", help="kept count multiple"),
-    saliency: Optional[str] = typer.Option(
-        None, "--saliency",
+    keep: int | None = typer.Option(None, "--keep", help="experts to keep per layer"),
+    sparsity: float | None = typer.Option(None, "--sparsity", help="fraction of experts to drop"),
+    divisible_by: int | None = typer.Option(None, "--divisible-by", help="kept count multiple"),
+    saliency: str | None = typer.Option(
+        None,
+        "--saliency",
         help="reap | frequency | weighted_frequency | ean | ean_mean | max_norm "
-             "(calibration files; default reap) or the method of a baseline file",
+        "(calibration files; default reap) or the method of a baseline file",
     ),
     output: Path = typer.Option(..., "-o", "--output", help="plan.json to write"),
 ) -> None:
@@ -228,7 +275,10 @@ def cut_cmd(
     try:
         s = _load(scores)
         plan = plan_from_scores(
-            s, sparsity=sparsity, num_experts_to_keep=keep, divisible_by=divisible_by,
+            s,
+            sparsity=sparsity,
+            num_experts_to_keep=keep,
+            divisible_by=divisible_by,
             saliency=saliency,
             params={"scores": {"path": str(scores), "sha256": sha256_file(scores)}},
         )
@@ -246,9 +296,13 @@ def cut_cmd(
         console.print(f"  keep count: {note}")
     if plan.never_routed:
         n = sum(len(v) for v in plan.never_routed.values())
-        console.print(f"  [yellow]{n} never-routed (layer, expert) pairs (score 0, dropped first)[/]")
+        console.print(
+            f"  [yellow]{n} never-routed (layer, expert) pairs (score 0, dropped first)[/]"
+        )
     if plan.ties:
-        console.print(f"  [yellow]{sum(plan.ties.values())} experts tied at the cut (lower index kept)[/]")
+        console.print(
+            f"  [yellow]{sum(plan.ties.values())} experts tied at the cut (lower index kept)[/]"
+        )
 
 
 def register(app: typer.Typer) -> None:

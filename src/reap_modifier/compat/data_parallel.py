@@ -27,8 +27,15 @@ class RankShareSampler(Sampler[int]):
     the longest-first order (so batches pad little and token loads balance).
     """
 
-    def __init__(self, dataset, num_samples: int | None, shuffle: bool, batch_size: int,
-                 rank: int, world_size: int):
+    def __init__(
+        self,
+        dataset,
+        num_samples: int | None,
+        shuffle: bool,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+    ):
         from llmcompressor.datasets.utils import LengthAwareSampler
 
         self.dataset_len = len(dataset)
@@ -45,8 +52,9 @@ class RankShareSampler(Sampler[int]):
         self._fixed = (
             None
             if shuffle
-            else list(LengthAwareSampler(dataset, num_samples=self.num_selected,
-                                         batch_size=batch_size))
+            else list(
+                LengthAwareSampler(dataset, num_samples=self.num_selected, batch_size=batch_size)
+            )
         )
 
     def selection(self) -> list[int]:

@@ -39,7 +39,7 @@ def drop_broken_lazy_aliases(resolve: bool = False) -> None:
         if not name.startswith("transformers") or module is None:
             continue
         try:
-            getattr(module, "__dict__")
+            _ = module.__dict__  # a lazy alias module raises here when unusable
             if resolve and "__dir__" in module.__dict__:
                 dir(module)
         except Exception:  # noqa: BLE001 - any failure means unusable alias
@@ -51,12 +51,11 @@ def register_kimi_auto_classes() -> None:
     ``kimi_k3`` model type is not registered with transformers (and transformers' own
     ``kimi_linear`` is a different architecture), so register llm-compressor's classes.
     """
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
     from llmcompressor.modeling.kimi_k3.configuration_kimi_k3 import KimiK3Config
     from llmcompressor.modeling.kimi_k3.modeling_kimi_k3 import (
         KimiK3ForConditionalGeneration,
     )
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     for auto in (AutoConfig,):
         try:
@@ -93,7 +92,9 @@ def load_checkpoint_model(path: str | os.PathLike, *, dtype: str = "auto", packe
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=not packed)
+        str(path),
+        dtype=torch.bfloat16,
+        quantization_config=CompressedTensorsConfig(dequantize=not packed),
     ).eval()
     if target == "auto":
         target = getattr(torch, cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
@@ -139,7 +140,9 @@ def pause_decompress_hook(model):
 
 
 #: set while ``Oneshot.__init__`` runs a recipe that calibrates on packed experts
-_PACKED_LOAD: contextvars.ContextVar[bool] = contextvars.ContextVar("reap_packed_load", default=False)
+_PACKED_LOAD: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "reap_packed_load", default=False
+)
 
 
 def recipe_keeps_experts_packed(recipe) -> bool:
@@ -195,11 +198,10 @@ def load_packed_model(model_args, original_load):
     (transformers would otherwise dequantize them while fusing them into 3-D experts).
     """
     from compressed_tensors.utils import patch_attr
-    from transformers import AutoModelForCausalLM
-    from transformers.utils.quantization_config import CompressedTensorsConfig
-
     from llmcompressor.entrypoints import utils as entry_utils
     from llmcompressor.modeling.moe.linearize import load_quantizable_moe
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
 
     from ..calibration.packed import check_checkpoint_formats
 

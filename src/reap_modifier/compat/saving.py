@@ -11,7 +11,12 @@ from loguru import logger
 from ..fileio import write_json_atomic
 from ..models.config_keys import COUNT_KEYS
 
-__all__ = ["fix_saved_expert_counts", "patch_gpt_oss_repack", "patch_resave_config", "repack_linearized_experts"]
+__all__ = [
+    "fix_saved_expert_counts",
+    "patch_gpt_oss_repack",
+    "patch_resave_config",
+    "repack_linearized_experts",
+]
 
 
 def fix_saved_expert_counts(config, save_dir: str) -> None:

@@ -42,9 +42,7 @@ class _RecordingLoader:
     def __iter__(self):
         for batch in self.loader:
             if isinstance(batch, Mapping):  # dict, or transformers' BatchEncoding
-                self.batches.append(
-                    {k: batch.get(k) for k in ("input_ids", "attention_mask")}
-                )
+                self.batches.append({k: batch.get(k) for k in ("input_ids", "attention_mask")})
             else:
                 self.batches.append({})
             yield batch
@@ -115,9 +113,8 @@ def patch_traced_config_attention() -> None:
     ``QuantizationStatus.COMPRESSED`` repr is not Python (tracing Qwen3-MoE failed with a
     SyntaxError); enums are passed as their values.
     """
-    from transformers.configuration_utils import PretrainedConfig
-
     from llmcompressor.pipelines.sequential.helpers import SequentialTracer
+    from transformers.configuration_utils import PretrainedConfig
 
     original = SequentialTracer.create_arg
     if getattr(original, "_reap_patched", False):

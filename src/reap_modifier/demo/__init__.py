@@ -29,4 +29,12 @@ from .job import run
 from .report import render_report, summary_tables
 from .workspace import OUT_MARKER, checkpoint_source, prepare_out_dir
 
-__all__ = ["OUT_MARKER", "DemoConfig", "checkpoint_source", "prepare_out_dir", "render_report", "run", "summary_tables"]
+__all__ = [
+    "OUT_MARKER",
+    "DemoConfig",
+    "checkpoint_source",
+    "prepare_out_dir",
+    "render_report",
+    "run",
+    "summary_tables",
+]

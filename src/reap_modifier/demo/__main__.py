@@ -20,26 +20,57 @@ def _package_doc() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m reap_modifier.demo", description=_package_doc().split("\n\n")[0])
-    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="MXFP4 MoE checkpoint directory (with tokenizer)")
-    ap.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (its demo files are replaced)")
-    ap.add_argument("--data-dir", default=None, help="corpora folder (default: the repository's data/, built if missing)")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test); the numbers mean nothing")
+    ap = argparse.ArgumentParser(
+        prog="python -m reap_modifier.demo", description=_package_doc().split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--model",
+        default=str(DEFAULT_MODEL),
+        help="MXFP4 MoE checkpoint directory (with tokenizer)",
+    )
+    ap.add_argument(
+        "--out", default=str(DEFAULT_OUT), help="output folder (its demo files are replaced)"
+    )
+    ap.add_argument(
+        "--data-dir",
+        default=None,
+        help="corpora folder (default: the repository's data/, built if missing)",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="tiny sizes (smoke test); the numbers mean nothing"
+    )
     ap.add_argument("--sparsity", type=float, default=DemoConfig.sparsity)
-    ap.add_argument("--extra-sparsity", default=str(DemoConfig.extra_sparsity),
-                    help="also prune REAP(en), REAP(en+zh+code) and random to this sparsity ('none': skip)")
-    ap.add_argument("--tokens-per-part", type=int, default=DemoConfig.tokens_per_part,
-                    help="calibration tokens of each part (en1, en2, zh, code)")
-    ap.add_argument("--eval-windows", type=int, default=DemoConfig.eval_windows, help="per language")
+    ap.add_argument(
+        "--extra-sparsity",
+        default=str(DemoConfig.extra_sparsity),
+        help="also prune REAP(en), REAP(en+zh+code) and random to this sparsity ('none': skip)",
+    )
+    ap.add_argument(
+        "--tokens-per-part",
+        type=int,
+        default=DemoConfig.tokens_per_part,
+        help="calibration tokens of each part (en1, en2, zh, code)",
+    )
+    ap.add_argument(
+        "--eval-windows", type=int, default=DemoConfig.eval_windows, help="per language"
+    )
     ap.add_argument("--gen-tokens", type=int, default=DemoConfig.gen_tokens)
     ap.add_argument("--prompts", type=int, default=DemoConfig.prompts_per_lang, help="per language")
     ap.add_argument("--seed", type=int, default=DemoConfig.seed)
     ap.add_argument("--threads", type=int, default=DemoConfig.threads)
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=DemoConfig.dtype,
-                    help="compute dtype (weights are exact in float32; bf16 is slow on CPUs without AVX-512 BF16)")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=DemoConfig.dtype,
+        help="compute dtype (weights are exact in float32; bf16 is slow on CPUs without AVX-512 BF16)",
+    )
     ap.add_argument("--verbose", action="store_true", help="keep library logging")
-    ap.add_argument("--tables", metavar="RESULTS_JSON", default=None,
-                    help="only print the summary tables of an earlier run's results.json (for the README)")
+    ap.add_argument(
+        "--tables",
+        metavar="RESULTS_JSON",
+        default=None,
+        help="only print the summary tables of an earlier run's results.json (for the README)",
+    )
     a = ap.parse_args(argv)
     if a.tables:
         print(summary_tables(json.loads(Path(a.tables).read_text())), end="")
@@ -47,11 +78,26 @@ def main(argv: list[str] | None = None) -> int:
     if not a.verbose:
         quiet_libraries()
     extra = None if str(a.extra_sparsity).lower() in ("none", "") else float(a.extra_sparsity)
-    cfg = DemoConfig(model=a.model, out=a.out, data_dir=a.data_dir, sparsity=a.sparsity, extra_sparsity=extra,
-                     tokens_per_part=a.tokens_per_part, eval_windows=a.eval_windows, gen_tokens=a.gen_tokens,
-                     prompts_per_lang=a.prompts, seed=a.seed, threads=a.threads, dtype=a.dtype,
-                     quick=a.quick)
-    run(cfg, command="python -m reap_modifier.demo" + "".join(f" {x}" for x in (argv if argv is not None else sys.argv[1:])))
+    cfg = DemoConfig(
+        model=a.model,
+        out=a.out,
+        data_dir=a.data_dir,
+        sparsity=a.sparsity,
+        extra_sparsity=extra,
+        tokens_per_part=a.tokens_per_part,
+        eval_windows=a.eval_windows,
+        gen_tokens=a.gen_tokens,
+        prompts_per_lang=a.prompts,
+        seed=a.seed,
+        threads=a.threads,
+        dtype=a.dtype,
+        quick=a.quick,
+    )
+    run(
+        cfg,
+        command="python -m reap_modifier.demo"
+        + "".join(f" {x}" for x in (argv if argv is not None else sys.argv[1:])),
+    )
     return 0
 
 

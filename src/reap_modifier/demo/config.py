@@ -78,11 +78,19 @@ class DemoConfig:
     quick: bool = False
 
 
-QUICK = dict(tokens_per_part=512, calib_seq_len=64, eval_windows=2, eval_seq_len=32, eval_chunk=2,
-             prompts_per_lang=2, prompt_tokens=6, gen_tokens=6)
+QUICK = dict(
+    tokens_per_part=512,
+    calib_seq_len=64,
+    eval_windows=2,
+    eval_seq_len=32,
+    eval_chunk=2,
+    prompts_per_lang=2,
+    prompt_tokens=6,
+    gen_tokens=6,
+)
 
 
-def job_methods(cfg: "DemoConfig") -> list[Method]:
+def job_methods(cfg: DemoConfig) -> list[Method]:
     """METHODS at the job's sparsity, then EXTRA_METHODS at ``extra_sparsity`` (named
     ``<name>_<percent>``, e.g. ``reap_en_75``)."""
     out = [Method(**{**asdict(m), "sparsity": cfg.sparsity}) for m in METHODS]
@@ -90,6 +98,14 @@ def job_methods(cfg: "DemoConfig") -> list[Method]:
         pct = round(100 * cfg.extra_sparsity)
         for m in METHODS:
             if m.name in EXTRA_METHODS:
-                out.append(Method(**{**asdict(m), "name": f"{m.name}_{pct}", "label": f"{m.label} {pct}%",
-                                     "sparsity": cfg.extra_sparsity}))
+                out.append(
+                    Method(
+                        **{
+                            **asdict(m),
+                            "name": f"{m.name}_{pct}",
+                            "label": f"{m.label} {pct}%",
+                            "sparsity": cfg.extra_sparsity,
+                        }
+                    )
+                )
     return out

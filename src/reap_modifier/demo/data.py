@@ -16,9 +16,10 @@ import json
 import random
 import re
 import unicodedata
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 LANGS: tuple[str, ...] = ("en", "zh", "code")
 SPLITS: tuple[str, ...] = ("train", "calib", "eval")
@@ -86,9 +87,35 @@ def keep_paragraph(text: str, lang: str) -> bool:
 
 class _HTMLText(HTMLParser):
     BLOCK = {
-        "p", "div", "li", "dd", "dt", "td", "th", "tr", "table", "ul", "ol", "dl", "section",
-        "article", "blockquote", "h1", "h2", "h3", "h4", "h5", "h6", "br", "hr", "header", "footer",
-        "nav", "caption", "figcaption", "body",
+        "p",
+        "div",
+        "li",
+        "dd",
+        "dt",
+        "td",
+        "th",
+        "tr",
+        "table",
+        "ul",
+        "ol",
+        "dl",
+        "section",
+        "article",
+        "blockquote",
+        "h1",
+        "h2",
+        "h3",
+        "h4",
+        "h5",
+        "h6",
+        "br",
+        "hr",
+        "header",
+        "footer",
+        "nav",
+        "caption",
+        "figcaption",
+        "body",
     }
     SKIP = {"script", "style", "pre", "head", "title", "noscript", "svg", "math"}
 
@@ -264,7 +291,9 @@ def corpora_available(data_dir: str | Path | None = None) -> bool:
     return all(split_path(d, lang, s).exists() for lang in LANGS for s in SPLITS)
 
 
-def load_split(data_dir: str | Path | None, lang: str, split: str, limit: int | None = None) -> list[Record]:
+def load_split(
+    data_dir: str | Path | None, lang: str, split: str, limit: int | None = None
+) -> list[Record]:
     """Records of ``data/<lang>/<split>.jsonl`` in file order (optionally only the first ``limit``)."""
     path = split_path(data_dir if data_dir is not None else default_data_dir(), lang, split)
     if not path.exists():
@@ -449,8 +478,9 @@ def eval_windows(
     return torch.tensor(windows(ids, seq_len, drop_last=True)[:n_windows], dtype=torch.long)
 
 
-def tokenize_all(records: Sequence[Record], tokenizer: Any, separator: int | None = None,
-                 batch_size: int = 2048) -> list[int]:
+def tokenize_all(
+    records: Sequence[Record], tokenizer: Any, separator: int | None = None, batch_size: int = 2048
+) -> list[int]:
     """All records concatenated in order (``separator`` after each), for training streams.
     Uses batch encoding when the tokenizer is a ``tokenizers.Tokenizer``."""
     sep = eos_id(tokenizer) if separator is None else separator
@@ -491,10 +521,32 @@ def mean_nll(model: Any, batch, chunk: int = 8) -> tuple[float, int]:
 
 
 __all__ = [
-    "LANGS", "SPLITS", "Record", "ascii_fraction", "calibration_dataset", "chunk_code", "cjk_fraction",
-    "clean_zh_tagged", "corpora_available", "default_data_dir", "encode", "eos_id", "eval_windows",
-    "html_paragraphs", "keep_paragraph", "load_split", "load_texts", "mean_nll", "normalize_ws",
-    "packed_token_stream", "shuffled", "source_counts", "split_of_chunk", "split_path", "split_records",
-    "text_paragraphs", "tokenize_all", "windows",
+    "LANGS",
+    "SPLITS",
+    "Record",
+    "ascii_fraction",
+    "calibration_dataset",
+    "chunk_code",
+    "cjk_fraction",
+    "clean_zh_tagged",
+    "corpora_available",
+    "default_data_dir",
+    "encode",
+    "eos_id",
+    "eval_windows",
+    "html_paragraphs",
+    "keep_paragraph",
+    "load_split",
+    "load_texts",
+    "mean_nll",
+    "normalize_ws",
+    "packed_token_stream",
+    "shuffled",
+    "source_counts",
+    "split_of_chunk",
+    "split_path",
+    "split_records",
+    "text_paragraphs",
+    "tokenize_all",
+    "windows",
 ]
-

@@ -22,8 +22,9 @@ from log-softmax of each model's logits.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -146,12 +147,16 @@ def evaluate_models(
     return {name: acc[name].summary() for name in models}
 
 
-def evaluate_model(model: Any, windows: torch.Tensor, reference_model: Any | None = None, *, chunk: int = 8) -> dict:
+def evaluate_model(
+    model: Any, windows: torch.Tensor, reference_model: Any | None = None, *, chunk: int = 8
+) -> dict:
     """One model (optionally against a reference model): see :func:`evaluate_models`."""
     models = {"model": model}
     if reference_model is not None:
         models = {"reference": reference_model, "model": model}
-    return evaluate_models(models, windows, "reference" if reference_model is not None else None, chunk=chunk)["model"]
+    return evaluate_models(
+        models, windows, "reference" if reference_model is not None else None, chunk=chunk
+    )["model"]
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict:
@@ -175,7 +180,11 @@ def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict:
 
 
 def greedy_generate(
-    model: Any, prompts: torch.Tensor, max_new_tokens: int, *, progress: Callable[[int], None] | None = None
+    model: Any,
+    prompts: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    progress: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """Greedy continuation of equal-length ``prompts`` (``[B, P]`` ids): ``[B, max_new_tokens]``.
 

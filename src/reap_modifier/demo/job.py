@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..analysis.formatting import jsonable
 from .config import (
@@ -48,13 +49,26 @@ def calibration_sets(records: dict[str, list], tokenizer, cfg: DemoConfig) -> di
     pools = {"en1": en[0::2], "en2": en[1::2], "zh": records["zh"], "code": records["code"]}
     out = {}
     for k, (part, lang) in enumerate(PARTS):
-        out[part] = calibration_dataset({lang: pools[part]}, tokenizer, cfg.tokens_per_part,
-                                        seq_len=cfg.calib_seq_len, seed=cfg.seed + 101 * k)
+        out[part] = calibration_dataset(
+            {lang: pools[part]},
+            tokenizer,
+            cfg.tokens_per_part,
+            seq_len=cfg.calib_seq_len,
+            seed=cfg.seed + 101 * k,
+        )
     return out
 
 
-def calibrate(model_dir: str, part: str, lang: str, dataset, tokenizer, scores_path: Path, cfg: DemoConfig,
-              dequantize: str = "layer") -> dict:
+def calibrate(
+    model_dir: str,
+    part: str,
+    lang: str,
+    dataset,
+    tokenizer,
+    scores_path: Path,
+    cfg: DemoConfig,
+    dequantize: str = "layer",
+) -> dict:
     """REAP calibration of one part through ``oneshot``; only the scores file is kept. The model is
     loaded with its MXFP4 experts packed and calibrated one MoE layer dense at a time
     (``dequantize="layer"``), or fully decompressed (``dequantize="model"``, the dense path)."""
@@ -63,25 +77,44 @@ def calibrate(model_dir: str, part: str, lang: str, dataset, tokenizer, scores_p
     from ..modifier import REAPPruningModifier
 
     model = load_model(model_dir, packed=dequantize != "model", dtype=cfg.dtype)
-    modifier = REAPPruningModifier(sparsity=cfg.sparsity, saliency="reap", scores_path=str(scores_path),
-                                   calibration_source=lang, seed=cfg.seed, dequantize=dequantize)
+    modifier = REAPPruningModifier(
+        sparsity=cfg.sparsity,
+        saliency="reap",
+        scores_path=str(scores_path),
+        calibration_source=lang,
+        seed=cfg.seed,
+        dequantize=dequantize,
+    )
     t = time.time()
-    oneshot(model=model, recipe=[modifier], processor=tokenizer, dataset=dataset,
-            num_calibration_samples=len(dataset), moe_calibrate_all_experts=False)
+    oneshot(
+        model=model,
+        recipe=[modifier],
+        processor=tokenizer,
+        dataset=dataset,
+        num_calibration_samples=len(dataset),
+        moe_calibrate_all_experts=False,
+    )
     seconds = time.time() - t
     del model
     meta = json.loads(dataset.info.description or "{}")
     packed = modifier.packed.stats if modifier.packed is not None else None
-    return {"part": part, "source": lang, "rows": len(dataset),
-            "tokens": int(sum(len(r) for r in dataset["input_ids"])),
-            "source_tokens": meta.get("source_tokens", {}).get(lang, {}),
-            "scores": str(scores_path), "seconds": round(seconds, 2), "dequantize": dequantize,
-            "dequantized_modules": packed.dequantized_modules if packed else None,
-            "peak_dense_expert_mib": round(packed.peak_dense_bytes / 2**20, 3) if packed else None}
+    return {
+        "part": part,
+        "source": lang,
+        "rows": len(dataset),
+        "tokens": int(sum(len(r) for r in dataset["input_ids"])),
+        "source_tokens": meta.get("source_tokens", {}).get(lang, {}),
+        "scores": str(scores_path),
+        "seconds": round(seconds, 2),
+        "dequantize": dequantize,
+        "dequantized_modules": packed.dequantized_modules if packed else None,
+        "peak_dense_expert_mib": round(packed.peak_dense_bytes / 2**20, 3) if packed else None,
+    }
 
 
-def check_packed_scores(model_dir: str, part: str, lang: str, dataset, tokenizer, packed_scores: Path,
-                        cfg: DemoConfig) -> dict:
+def check_packed_scores(
+    model_dir: str, part: str, lang: str, dataset, tokenizer, packed_scores: Path, cfg: DemoConfig
+) -> dict:
     """Calibrate ``part`` again on the fully decompressed model and compare every statistic with the
     packed run's; raises when any differs by more than 1e-6 relative."""
     from ..calibration.packed import scores_difference
@@ -90,11 +123,19 @@ def check_packed_scores(model_dir: str, part: str, lang: str, dataset, tokenizer
     dense_path = packed_scores.with_name(f"{packed_scores.stem}.dense-check.safetensors")
     run = calibrate(model_dir, part, lang, dataset, tokenizer, dense_path, cfg, dequantize="model")
     diff = scores_difference(ExpertScores.load(packed_scores), ExpertScores.load(dense_path))
-    check = {"part": part, "dense_scores": str(dense_path), "dense_seconds": run["seconds"],
-             "tolerance": 1e-6, **diff, "equal": diff["max_rel"] <= 1e-6}
+    check = {
+        "part": part,
+        "dense_scores": str(dense_path),
+        "dense_seconds": run["seconds"],
+        "tolerance": 1e-6,
+        **diff,
+        "equal": diff["max_rel"] <= 1e-6,
+    }
     if not check["equal"]:
-        raise RuntimeError(f"packed calibration of {part} differs from the dense path by "
-                           f"{diff['max_rel']:.3g} relative ({diff['by_stat']})")
+        raise RuntimeError(
+            f"packed calibration of {part} differs from the dense path by "
+            f"{diff['max_rel']:.3g} relative ({diff['by_stat']})"
+        )
     return check
 
 
@@ -110,8 +151,13 @@ def pick_prompts(records: list, tokenizer, n: int, prompt_tokens: int, seed: int
     for r in shuffled(records, seed, mix="balanced"):
         ids = encode(tokenizer, r["text"])
         if len(ids) >= prompt_tokens + 4:
-            out.append({"source": r["source"], "ids": ids[:prompt_tokens],
-                        "text": tokenizer.decode(ids[:prompt_tokens])})
+            out.append(
+                {
+                    "source": r["source"],
+                    "ids": ids[:prompt_tokens],
+                    "text": tokenizer.decode(ids[:prompt_tokens]),
+                }
+            )
             if len(out) == n:
                 return out
     raise ValueError(f"fewer than {n} held-out paragraphs hold {prompt_tokens + 4} tokens")
@@ -164,23 +210,57 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | N
         calib = {lang: D.load_split(data_dir, lang, "calib") for lang in LANGS}
         evals = {lang: D.load_split(data_dir, lang, "eval") for lang in LANGS}
         sets = calibration_sets(calib, tokenizer, cfg)
-        windows = {lang: D.eval_windows(evals[lang], tokenizer, cfg.eval_windows, seq_len=cfg.eval_seq_len,
-                                        seed=cfg.eval_seed) for lang in LANGS}
-        prompts = {lang: pick_prompts(evals[lang], tokenizer, cfg.prompts_per_lang, cfg.prompt_tokens,
-                                      cfg.seed + 7) for lang in LANGS}
+        windows = {
+            lang: D.eval_windows(
+                evals[lang],
+                tokenizer,
+                cfg.eval_windows,
+                seq_len=cfg.eval_seq_len,
+                seed=cfg.eval_seed,
+            )
+            for lang in LANGS
+        }
+        prompts = {
+            lang: pick_prompts(
+                evals[lang], tokenizer, cfg.prompts_per_lang, cfg.prompt_tokens, cfg.seed + 7
+            )
+            for lang in LANGS
+        }
 
     # -- 1. calibration ------------------------------------------------------------------------
     scores_dir = out / "scores"
     calib_runs = []
     with clock.stage("calibrate", log):
-        for part, lang in tqdm(PARTS, desc="calibrate (oneshot per corpus)", unit="run", dynamic_ncols=True):
-            calib_runs.append(calibrate(str(model_dir), part, lang, sets[part], tokenizer,
-                                        scores_dir / f"{part}.safetensors", cfg))
-        part, lang = PARTS[0]  # the packed experts gave the dense path's scores (1e-6, every statistic)
-        packed_check = check_packed_scores(str(model_dir), part, lang, sets[part], tokenizer,
-                                           scores_dir / f"{part}.safetensors", cfg)
-        log(f"   packed vs dense calibration of {part}: every statistic within "
-            f"{packed_check['max_rel']:.1e} relative ({packed_check['statistics']:,} values)")
+        for part, lang in tqdm(
+            PARTS, desc="calibrate (oneshot per corpus)", unit="run", dynamic_ncols=True
+        ):
+            calib_runs.append(
+                calibrate(
+                    str(model_dir),
+                    part,
+                    lang,
+                    sets[part],
+                    tokenizer,
+                    scores_dir / f"{part}.safetensors",
+                    cfg,
+                )
+            )
+        part, lang = PARTS[
+            0
+        ]  # the packed experts gave the dense path's scores (1e-6, every statistic)
+        packed_check = check_packed_scores(
+            str(model_dir),
+            part,
+            lang,
+            sets[part],
+            tokenizer,
+            scores_dir / f"{part}.safetensors",
+            cfg,
+        )
+        log(
+            f"   packed vs dense calibration of {part}: every statistic within "
+            f"{packed_check['max_rel']:.1e} relative ({packed_check['statistics']:,} values)"
+        )
         parts = {p: ExpertScores.load(scores_dir / f"{p}.safetensors") for p, _ in PARTS}
         merged: dict[str, ExpertScores] = {}
         for label, names in RANKINGS.items():
@@ -197,8 +277,12 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | N
     plans, pruning = {}, {}
     pruned_dir.mkdir(parents=True, exist_ok=True)
     with clock.stage("prune + verify", log):
-        for m in tqdm(job_methods(cfg), desc="prune (checkpoint rewrite) + verify", unit="ckpt",
-                      dynamic_ncols=True):
+        for m in tqdm(
+            job_methods(cfg),
+            desc="prune (checkpoint rewrite) + verify",
+            unit="ckpt",
+            dynamic_ncols=True,
+        ):
             t = time.time()
             if m.kind == "calibrated":
                 spath = scores_dir / f"{m.ranking}.safetensors"
@@ -208,14 +292,25 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | N
                 if not spath.is_file():
                     scores_from_weights(src_dir, m.saliency, seed=cfg.seed).save(spath)
                 scores = ExpertScores.load(spath)
-            plan = plan_from_scores(scores, sparsity=m.sparsity, saliency=m.saliency,
-                                    params={"demo_method": m.name, "calibration": m.calibration})
+            plan = plan_from_scores(
+                scores,
+                sparsity=m.sparsity,
+                saliency=m.saliency,
+                params={"demo_method": m.name, "calibration": m.calibration},
+            )
             plan.save(plans_dir / f"{m.name}.json")
             plans[m.name] = plan
             dst = pruned_dir / m.name
-            rewrite_checkpoint(src_dir, plan, dst, scores_path=spath, force=True,
-                               method=f"{m.label} via reap_modifier.demo (checkpoint rewrite)",
-                               progress=False, hash_cache=False)
+            rewrite_checkpoint(
+                src_dir,
+                plan,
+                dst,
+                scores_path=spath,
+                force=True,
+                method=f"{m.label} via reap_modifier.demo (checkpoint rewrite)",
+                progress=False,
+                hash_cache=False,
+            )
             rewrite_s = time.time() - t
             rep = verify_checkpoint(dst, source=src_dir)
             if not rep.ok:
@@ -232,19 +327,40 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | N
                 "num_experts_before": plan.num_experts,
                 "num_experts_after": plan.num_kept,
                 "retained_own_mass": float(np.mean(list(plan.retained.values()))),
-                "retained_reap_mass_D": float(np.mean([retained_mass(yard[l], ids) for l, ids in plan.kept.items()])),
+                "retained_reap_mass_D": float(
+                    np.mean([retained_mass(yard[l], ids) for l, ids in plan.kept.items()])
+                ),
                 "kept": plan.kept,
-                "verify": {"ok": rep.ok, "warnings": rep.warnings, **{k: rep.info.get(k) for k in (
-                    "moe_layers", "num_experts", "tensors", "tensors_matching_source", "checked_against_source",
-                    "quantization_format")}},
+                "verify": {
+                    "ok": rep.ok,
+                    "warnings": rep.warnings,
+                    **{
+                        k: rep.info.get(k)
+                        for k in (
+                            "moe_layers",
+                            "num_experts",
+                            "tensors",
+                            "tensors_matching_source",
+                            "checked_against_source",
+                            "quantization_format",
+                        )
+                    },
+                },
                 "bytes": sum(f.stat().st_size for f in dst.rglob("*") if f.is_file()),
                 "seconds": round(rewrite_s, 2),
             }
         for name, plan in plans.items():  # overlap with REAP(en+zh+code) at the same sparsity
-            ref = next(plans[n] for n, r in pruning.items() if r["sparsity"] == pruning[name]["sparsity"]
-                       and r["saliency"] == "reap" and r["calibration"] == "en+zh+code")
+            ref = next(
+                plans[n]
+                for n, r in pruning.items()
+                if r["sparsity"] == pruning[name]["sparsity"]
+                and r["saliency"] == "reap"
+                and r["calibration"] == "en+zh+code"
+            )
             shared = [len(set(plan.kept[l]) & set(ref.kept[l])) for l in plan.kept]
-            pruning[name]["overlap_with_reap_en_zh_code"] = sum(shared) / (len(shared) * plan.num_kept)
+            pruning[name]["overlap_with_reap_en_zh_code"] = sum(shared) / (
+                len(shared) * plan.num_kept
+            )
 
     # -- 3. evaluation ---------------------------------------------------------------------------
     quality: dict[str, dict[str, dict]] = {}
@@ -256,39 +372,68 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | N
         models[ABLATION] = load_model(model_dir, dtype=cfg.dtype)
         zero_routed_experts(models[ABLATION])
         total = sum(int(w.shape[0]) for w in windows.values()) * len(models)
-        with tqdm(total=total, desc="evaluate (windows x models)", unit="win", dynamic_ncols=True) as bar:
+        with tqdm(
+            total=total, desc="evaluate (windows x models)", unit="win", dynamic_ncols=True
+        ) as bar:
             for lang in LANGS:
-                res = evaluate_models(models, windows[lang], REFERENCE, chunk=cfg.eval_chunk, progress=bar.update)
+                res = evaluate_models(
+                    models, windows[lang], REFERENCE, chunk=cfg.eval_chunk, progress=bar.update
+                )
                 for name, r in res.items():
                     quality.setdefault(name, {})[lang] = r
     with clock.stage("generate", log):
         batch = torch.tensor([p["ids"] for lang in LANGS for p in prompts[lang]], dtype=torch.long)
         where = [(lang, i) for lang in LANGS for i in range(len(prompts[lang]))]
-        with tqdm(total=len(models) * cfg.gen_tokens, desc="greedy generations", unit="tok",
-                  dynamic_ncols=True) as bar:
+        with tqdm(
+            total=len(models) * cfg.gen_tokens,
+            desc="greedy generations",
+            unit="tok",
+            dynamic_ncols=True,
+        ) as bar:
             for name, model in models.items():
                 gen = greedy_generate(model, batch, cfg.gen_tokens, progress=bar.update)
                 rows = []
                 for (lang, i), ids in zip(where, gen.tolist()):
                     text = tokenizer.decode(ids)
-                    rows.append({"lang": lang, "prompt": i, "ids": ids, "text": text, **repetition_stats(ids, text)})
+                    rows.append(
+                        {
+                            "lang": lang,
+                            "prompt": i,
+                            "ids": ids,
+                            "text": text,
+                            **repetition_stats(ids, text),
+                        }
+                    )
                 generations[name] = rows
         del models
 
     # -- 4. flip table ---------------------------------------------------------------------------
     with clock.stage("compare + tiers", log):
-        rankings = [Ranking(label, merged[label], path=relative_to(scores_dir / f"{label}.safetensors", out))
-                    for label in RANKINGS]
+        rankings = [
+            Ranking(
+                label, merged[label], path=relative_to(scores_dir / f"{label}.safetensors", out)
+            )
+            for label in RANKINGS
+        ]
         per_source = {"en": merged["B"], "zh": parts["zh"], "code": parts["code"]}
         cmp = compare_rankings(rankings, sparsity=cfg.sparsity, per_source=per_source)
         write_compare_report(cmp, out / "compare", rankings=rankings, per_source=per_source)
         flips_by_sparsity = {}
         for sp in sorted(set(FLIP_SPARSITIES) | {cfg.sparsity}):
-            c = cmp if sp == cfg.sparsity else compare_rankings(rankings, sparsity=sp, per_source=per_source)
+            c = (
+                cmp
+                if sp == cfg.sparsity
+                else compare_rankings(rankings, sparsity=sp, per_source=per_source)
+            )
             flips_by_sparsity[f"{sp:g}"] = _flip_summary(c)
         E = merged["D"].num_experts
-        tier_keeps = sorted({max(merged["D"].metadata.get("top_k", 1), round(E * f)) for f in (0.75, 0.5, 0.375, 0.25)},
-                            reverse=True)
+        tier_keeps = sorted(
+            {
+                max(merged["D"].metadata.get("top_k", 1), round(E * f))
+                for f in (0.75, 0.5, 0.375, 0.25)
+            },
+            reverse=True,
+        )
         tiers = tiers_report(merged["D"], tier_keeps)
         write_tiers_report(tiers, out / "tiers")
 
@@ -298,39 +443,74 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | N
     if card_path.is_file():
         c = json.loads(card_path.read_text())
         ev = c.get("eval", {})
-        card = {"loss": ev.get("loss"), "windows_per_lang": ev.get("windows_per_lang"),
-                "seq_len": ev.get("seq_len"), "window_seed": ev.get("window_seed")}
-        card["same_windows"] = (card["windows_per_lang"] == cfg.eval_windows and card["seq_len"] == cfg.eval_seq_len
-                                and card["window_seed"] == cfg.eval_seed)
+        card = {
+            "loss": ev.get("loss"),
+            "windows_per_lang": ev.get("windows_per_lang"),
+            "seq_len": ev.get("seq_len"),
+            "window_seed": ev.get("window_seed"),
+        }
+        card["same_windows"] = (
+            card["windows_per_lang"] == cfg.eval_windows
+            and card["seq_len"] == cfg.eval_seq_len
+            and card["window_seed"] == cfg.eval_seed
+        )
     eval_paragraphs = {lang: D.source_counts(evals[lang]) for lang in LANGS}
     results = {
         "format": "reap-demo-results",
         "version": 1,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": command,
         "config": asdict(cfg),
-        "model": {"path": str(model_dir), "model_card": card,
-                  "checkpoint_source": relative_to(src_dir, out) if src_dir != model_dir else str(model_dir),
-                  "left_out_of_checkpoint_source": left_out,
-                  "num_experts": merged["D"].num_experts, "top_k": merged["D"].metadata.get("top_k"),
-                  "moe_layers": merged["D"].layer_names, "model_class": merged["D"].metadata.get("model_class")},
+        "model": {
+            "path": str(model_dir),
+            "model_card": card,
+            "checkpoint_source": relative_to(src_dir, out)
+            if src_dir != model_dir
+            else str(model_dir),
+            "left_out_of_checkpoint_source": left_out,
+            "num_experts": merged["D"].num_experts,
+            "top_k": merged["D"].metadata.get("top_k"),
+            "moe_layers": merged["D"].layer_names,
+            "model_class": merged["D"].metadata.get("model_class"),
+        },
         "data": {"dir": str(data_dir), "eval_paragraphs_per_source": eval_paragraphs},
-        "calibration": {"runs": calib_runs, "packed_check": packed_check,
-                        "rankings": {label: {"parts": list(names), "tokens": merged[label].source_tokens(),
-                                             "scores": relative_to(scores_dir / f"{label}.safetensors", out)}
-                                     for label, names in RANKINGS.items()}},
+        "calibration": {
+            "runs": calib_runs,
+            "packed_check": packed_check,
+            "rankings": {
+                label: {
+                    "parts": list(names),
+                    "tokens": merged[label].source_tokens(),
+                    "scores": relative_to(scores_dir / f"{label}.safetensors", out),
+                }
+                for label, names in RANKINGS.items()
+            },
+        },
         "pruning": pruning,
-        "eval": {"windows_per_lang": cfg.eval_windows, "seq_len": cfg.eval_seq_len, "seed": cfg.eval_seed,
-                 "tokens_per_lang": {lang: int(windows[lang][:, 1:].numel()) for lang in LANGS},
-                 "quality": quality},
+        "eval": {
+            "windows_per_lang": cfg.eval_windows,
+            "seq_len": cfg.eval_seq_len,
+            "seed": cfg.eval_seed,
+            "tokens_per_lang": {lang: int(windows[lang][:, 1:].numel()) for lang in LANGS},
+            "quality": quality,
+        },
         "paired": _paired(quality, paired_difference),
-        "generations": {"prompts": {lang: [{k: p[k] for k in ("source", "ids", "text")} for p in prompts[lang]]
-                                    for lang in LANGS},
-                        "new_tokens": cfg.gen_tokens, "by_model": generations,
-                        "summary": _gen_summary(generations)},
+        "generations": {
+            "prompts": {
+                lang: [{k: p[k] for k in ("source", "ids", "text")} for p in prompts[lang]]
+                for lang in LANGS
+            },
+            "new_tokens": cfg.gen_tokens,
+            "by_model": generations,
+            "summary": _gen_summary(generations),
+        },
         "compare": jsonable(cmp),
         "flips_by_sparsity": jsonable(flips_by_sparsity),
-        "tiers": {"keeps": tier_keeps, "rows": jsonable(tiers["tiers"]), "answer": tiers.get("answer")},
+        "tiers": {
+            "keeps": tier_keeps,
+            "rows": jsonable(tiers["tiers"]),
+            "answer": tiers.get("answer"),
+        },
         "timing": {**clock.stages, "total": clock.total()},
         "versions": environment_versions(),
     }
@@ -339,7 +519,9 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | N
     write_plots(results, out)
     (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
     (out / "report.md").write_text(render_report(results))
-    log(f"wrote {out / 'report.md'} and {out / 'results.json'} ({results['timing']['total']:.0f} s)")
+    log(
+        f"wrote {out / 'report.md'} and {out / 'results.json'} ({results['timing']['total']:.0f} s)"
+    )
     return results
 
 
@@ -350,7 +532,9 @@ def _flip_summary(cmp: dict) -> dict:
     for p in flip_rows(cmp):
         zh, code = pair_routing(p, "en", "zh"), pair_routing(p, "en", "code")
         out["pairs"][f"{p['earlier']}->{p['later']}"] = {
-            "flips": p["flips"], "pct_of_kept_slots": p["pct_of_kept_slots"], "x_first_pair": p["x_first_pair"],
+            "flips": p["flips"],
+            "pct_of_kept_slots": p["pct_of_kept_slots"],
+            "x_first_pair": p["x_first_pair"],
             "promoted_zh_heavy": zh["promoted_frac_more_by_b"] if zh else None,
             "all_zh_heavy": zh["all_frac_more_by_b"] if zh else None,
             "promoted_code_heavy": code["promoted_frac_more_by_b"] if code else None,
@@ -361,9 +545,15 @@ def _flip_summary(cmp: dict) -> dict:
 
 def _paired(quality: dict, paired_difference) -> list[dict]:
     """NLL differences that answer the questions, paired per window."""
-    pairs = [("reap_en", "reap_en_zh_code"), ("reap_en", "reap_en_zh"), ("reap_en_zh", "reap_en_zh_code"),
-             ("frequency", "reap_en_zh_code"), ("router_l1", "reap_en_zh_code"),
-             ("router_signed_sum", "reap_en_zh_code"), ("random", "reap_en_zh_code")]
+    pairs = [
+        ("reap_en", "reap_en_zh_code"),
+        ("reap_en", "reap_en_zh"),
+        ("reap_en_zh", "reap_en_zh_code"),
+        ("frequency", "reap_en_zh_code"),
+        ("router_l1", "reap_en_zh_code"),
+        ("router_signed_sum", "reap_en_zh_code"),
+        ("random", "reap_en_zh_code"),
+    ]
     pct = sorted({n.rsplit("_", 1)[1] for n in quality if n.rsplit("_", 1)[-1].isdigit()})
     for p in pct:
         pairs += [(f"reap_en_{p}", f"reap_en_zh_code_{p}"), (f"random_{p}", f"reap_en_zh_code_{p}")]
@@ -373,7 +563,9 @@ def _paired(quality: dict, paired_difference) -> list[dict]:
             continue
         row = {"a": a, "b": b}
         for lang in LANGS:
-            row[lang] = paired_difference(quality[a][lang]["nll_per_window"], quality[b][lang]["nll_per_window"])
+            row[lang] = paired_difference(
+                quality[a][lang]["nll_per_window"], quality[b][lang]["nll_per_window"]
+            )
         out.append(row)
     return out
 
@@ -384,11 +576,18 @@ def _gen_summary(generations: dict) -> dict:
         s = {}
         for lang in LANGS:
             rs = [r for r in rows if r["lang"] == lang]
-            s[lang] = {"max_repeat_run_tokens": max((r["repeat_run_tokens"] for r in rs), default=0),
-                       "max_repeat_run_chars": max((r["repeat_run_chars"] for r in rs), default=0)}
+            s[lang] = {
+                "max_repeat_run_tokens": max((r["repeat_run_tokens"] for r in rs), default=0),
+                "max_repeat_run_chars": max((r["repeat_run_chars"] for r in rs), default=0),
+            }
         for lang in LANGS:
             rs = [r for r in rows if r["lang"] == lang]
-            s[lang]["mean_repeat_run_tokens"] = sum(r["repeat_run_tokens"] for r in rs) / max(1, len(rs))
-        s["all"] = {k: max(s[lang][k] for lang in LANGS) for k in ("max_repeat_run_tokens", "max_repeat_run_chars")}
+            s[lang]["mean_repeat_run_tokens"] = sum(r["repeat_run_tokens"] for r in rs) / max(
+                1, len(rs)
+            )
+        s["all"] = {
+            k: max(s[lang][k] for lang in LANGS)
+            for k in ("max_repeat_run_tokens", "max_repeat_run_chars")
+        }
         out[name] = s
     return out

@@ -14,7 +14,11 @@ from .config import ABLATION, LANGS, REFERENCE
 
 
 def _model_order(results: dict) -> list[str]:
-    return [REFERENCE] + list(results["pruning"]) + [n for n in (ABLATION,) if n in results["eval"]["quality"]]
+    return (
+        [REFERENCE]
+        + list(results["pruning"])
+        + [n for n in (ABLATION,) if n in results["eval"]["quality"]]
+    )
 
 
 def _label(results: dict, name: str) -> str:
@@ -37,33 +41,57 @@ def write_plots(results: dict, out: Path) -> None:
     x = np.arange(len(LANGS))
     width = 0.8 / max(1, len(names))
     fig, axes = plt.subplots(1, 3, figsize=(15, 5.2))
-    panels = [("NLL increase over unpruned (nats)", lambda n, l: q[n][l]["nll"] - q[REFERENCE][l]["nll"]),
-              ("KL(unpruned || pruned) (nats / token)", lambda n, l: q[n][l]["kl"]),
-              ("top-1 agreement with unpruned", lambda n, l: q[n][l]["top1_agreement"])]
+    panels = [
+        ("NLL increase over unpruned (nats)", lambda n, l: q[n][l]["nll"] - q[REFERENCE][l]["nll"]),
+        ("KL(unpruned || pruned) (nats / token)", lambda n, l: q[n][l]["kl"]),
+        ("top-1 agreement with unpruned", lambda n, l: q[n][l]["top1_agreement"]),
+    ]
     for ax, (title, fn) in zip(axes, panels):
         for i, n in enumerate(names):
-            ax.bar(x + (i - (len(names) - 1) / 2) * width, [fn(n, l) for l in LANGS], width,
-                   label=_label(results, n))
+            ax.bar(
+                x + (i - (len(names) - 1) / 2) * width,
+                [fn(n, l) for l in LANGS],
+                width,
+                label=_label(results, n),
+            )
         if ABLATION in q:  # the no-routed-experts reference, for scale
             for j, l in enumerate(LANGS):
-                ax.hlines(fn(ABLATION, l), j - 0.42, j + 0.42, colors="black", linestyles="dashed", linewidth=1,
-                          label=_label(results, ABLATION) if j == 0 else None)
+                ax.hlines(
+                    fn(ABLATION, l),
+                    j - 0.42,
+                    j + 0.42,
+                    colors="black",
+                    linestyles="dashed",
+                    linewidth=1,
+                    label=_label(results, ABLATION) if j == 0 else None,
+                )
         ax.set_xticks(x, LANGS)
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    lo = min(q[n][l]["top1_agreement"] for n in names + [n for n in (ABLATION,) if n in q] for l in LANGS)
+    lo = min(
+        q[n][l]["top1_agreement"] for n in names + [n for n in (ABLATION,) if n in q] for l in LANGS
+    )
     axes[2].set_ylim(max(0.0, lo - 0.05), 1.0)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8, frameon=False)
-    fig.suptitle(f"Expert pruning of {Path(results['model']['path']).name}: held-out quality per language"
-                 " (dashed: all routed experts removed)", fontsize=11)
+    fig.legend(
+        handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8, frameon=False
+    )
+    fig.suptitle(
+        f"Expert pruning of {Path(results['model']['path']).name}: held-out quality per language"
+        " (dashed: all routed experts removed)",
+        fontsize=11,
+    )
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     save_png(fig, out / "quality.png")
 
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for i, n in enumerate(_model_order(results)):
-        ax.bar(x + (i - len(names) / 2) * (0.8 / (len(names) + 1)), [q[n][l]["nll"] for l in LANGS],
-               0.8 / (len(names) + 1), label=_label(results, n))
+        ax.bar(
+            x + (i - len(names) / 2) * (0.8 / (len(names) + 1)),
+            [q[n][l]["nll"] for l in LANGS],
+            0.8 / (len(names) + 1),
+            label=_label(results, n),
+        )
     ax.set_xticks(x, LANGS)
     ax.set_ylabel("mean NLL (nats / token)")
     ax.set_title("held-out NLL per language", fontsize=10)
@@ -110,8 +138,11 @@ def render_report(results: dict) -> str:
         "",
         f"Model `{mdl['path']}` ({mdl['model_class']}, {L} MoE layers x {E} routed experts, top-{mdl['top_k']}"
         f"{', checkpoint format ' + ', '.join(fmts) if fmts else ''}); every MoE layer pruned to {k} of {E} experts (sparsity {cfg['sparsity']:g})"
-        + (f", and REAP(en), REAP(en+zh+code) and random also at sparsity {', '.join(f'{x:g}' for x in extra)}"
-           if extra else "")
+        + (
+            f", and REAP(en), REAP(en+zh+code) and random also at sparsity {', '.join(f'{x:g}' for x in extra)}"
+            if extra
+            else ""
+        )
         + f".{' **Quick mode: tiny sizes, the numbers mean nothing.**' if cfg['quick'] else ''}",
         "",
         f"Produced by `{results.get('command') or 'reap_modifier.demo.run'}` on {results['created']} in"
@@ -128,18 +159,28 @@ def render_report(results: dict) -> str:
         "|---|---|---:|---:|---|---:|",
     ]
     for r in results["calibration"]["runs"]:
-        src = ", ".join(f"{s} {tokens(n)}" for s, n in sorted(r["source_tokens"].items(), key=lambda kv: -kv[1]))
-        lines.append(f"| {r['part']} | {r['source']} | {r['tokens']:,} | {r['rows']} | {src} | {r['seconds']:.1f} |")
+        src = ", ".join(
+            f"{s} {tokens(n)}" for s, n in sorted(r["source_tokens"].items(), key=lambda kv: -kv[1])
+        )
+        lines.append(
+            f"| {r['part']} | {r['source']} | {r['tokens']:,} | {r['rows']} | {src} | {r['seconds']:.1f} |"
+        )
     pc = results["calibration"].get("packed_check")
     if pc:
-        lines += ["", f"Every run kept the MXFP4 experts packed and dequantized one MoE layer at a time"
-                  f" (`dequantize: layer`). Check: part {pc['part']} calibrated again on the fully"
-                  f" decompressed model gives the same statistics to {pc['max_rel']:.1e} relative"
-                  f" ({pc['statistics']:,} values; tolerance {pc['tolerance']:g})."]
+        lines += [
+            "",
+            f"Every run kept the MXFP4 experts packed and dequantized one MoE layer at a time"
+            f" (`dequantize: layer`). Check: part {pc['part']} calibrated again on the fully"
+            f" decompressed model gives the same statistics to {pc['max_rel']:.1e} relative"
+            f" ({pc['statistics']:,} values; tolerance {pc['tolerance']:g}).",
+        ]
     lines += ["", "| ranking | = | tokens |", "|---|---|---|"]
     for label, r in results["calibration"]["rankings"].items():
-        lines.append(f"| {label} | {' + '.join(r['parts'])} | "
-                     + ", ".join(f"{s} {tokens(n)}" for s, n in r["tokens"].items()) + " |")
+        lines.append(
+            f"| {label} | {' + '.join(r['parts'])} | "
+            + ", ".join(f"{s} {tokens(n)}" for s, n in r["tokens"].items())
+            + " |"
+        )
     ev = results["eval"]
     lines += [
         "",
@@ -165,7 +206,10 @@ def render_report(results: dict) -> str:
             kept, mass, ov = "0", "0%", "-"
         else:
             kept = f"{pr[name]['num_experts_after']}"
-            mass, ov = pct(pr[name]["retained_reap_mass_D"]), pct(pr[name]["overlap_with_reap_en_zh_code"], 0)
+            mass, ov = (
+                pct(pr[name]["retained_reap_mass_D"]),
+                pct(pr[name]["overlap_with_reap_en_zh_code"], 0),
+            )
         cells = " | ".join(f"{_f(q[name][l]['nll'])} ({_f(q[name][l]['ppl'], 1)})" for l in LANGS)
         lines.append(f"| {_label(results, name)} | {kept} | {mass} | {ov} | {cells} |")
     lines += [
@@ -177,9 +221,13 @@ def render_report(results: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name in _model_order(results)[1:]:
-        lines.append(f"| {_label(results, name)} | "
-                     + " | ".join(pct(q[name][l]["top1_agreement"]) for l in LANGS) + " | "
-                     + " | ".join(_f(q[name][l]["kl"], 4) for l in LANGS) + " |")
+        lines.append(
+            f"| {_label(results, name)} | "
+            + " | ".join(pct(q[name][l]["top1_agreement"]) for l in LANGS)
+            + " | "
+            + " | ".join(_f(q[name][l]["kl"], 4) for l in LANGS)
+            + " |"
+        )
     lines += [
         "",
         "![quality per language](quality.png)",
@@ -191,15 +239,25 @@ def render_report(results: dict) -> str:
         "|---|---|---:|---:|---:|",
     ]
     for p in results["paired"]:
-        lines.append(f"| {_label(results, p['a'])} | {_label(results, p['b'])} | "
-                     + " | ".join(f"{p[l]['mean']:+.4f} +- {_f(p[l]['se'], 4)}" for l in LANGS) + " |")
+        lines.append(
+            f"| {_label(results, p['a'])} | {_label(results, p['b'])} | "
+            + " | ".join(f"{p[l]['mean']:+.4f} +- {_f(p[l]['se'], 4)}" for l in LANGS)
+            + " |"
+        )
     card = mdl.get("model_card")
     if card and card.get("loss"):
         same = card.get("same_windows")
-        lines += ["", "Unpruned NLL vs the model card"
-                  + (" (same windows)" if same else " (different windows: not comparable)") + ": "
-                  + ", ".join(f"{l} {_f(q[REFERENCE][l]['nll'], 4)} vs {_f(card['loss'].get(l), 4)}" for l in LANGS)
-                  + "."]
+        lines += [
+            "",
+            "Unpruned NLL vs the model card"
+            + (" (same windows)" if same else " (different windows: not comparable)")
+            + ": "
+            + ", ".join(
+                f"{l} {_f(q[REFERENCE][l]['nll'], 4)} vs {_f(card['loss'].get(l), 4)}"
+                for l in LANGS
+            )
+            + ".",
+        ]
     lines += [
         "",
         "## Degeneration check (the seed's)",
@@ -214,10 +272,16 @@ def render_report(results: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name in _model_order(results):
-        lines.append(f"| {_label(results, name)} | "
-                     + " | ".join(f"{gs[name][l]['max_repeat_run_tokens']} / {gs[name][l]['max_repeat_run_chars']}"
-                                  for l in LANGS) + " | "
-                     + " | ".join(f"{gs[name][l]['mean_repeat_run_tokens']:.1f}" for l in LANGS) + " |")
+        lines.append(
+            f"| {_label(results, name)} | "
+            + " | ".join(
+                f"{gs[name][l]['max_repeat_run_tokens']} / {gs[name][l]['max_repeat_run_chars']}"
+                for l in LANGS
+            )
+            + " | "
+            + " | ".join(f"{gs[name][l]['mean_repeat_run_tokens']:.1f}" for l in LANGS)
+            + " |"
+        )
     lines += [
         "",
         "## The seed's flip table on our data",
@@ -235,44 +299,82 @@ def render_report(results: dict) -> str:
         added = ", ".join(f"+{tokens(n)} {s}" for s, n in p["tokens_added"].items()) or "-"
         xf = "n/a" if p["x_first_pair"] is None else f"{p['x_first_pair']:.2f}x"
         zh, code = pair_routing(p, "en", "zh"), pair_routing(p, "en", "code")
-        zc = f"{pct(zh['promoted_frac_more_by_b'], 0)} ({pct(zh['all_frac_more_by_b'], 0)})" if zh else "n/a"
-        cc = f"{pct(code['promoted_frac_more_by_b'], 0)} ({pct(code['all_frac_more_by_b'], 0)})" if code else "n/a"
-        lines.append(f"| {p['earlier']} -> {p['later']} | {p['change']} | {added} | {p['flips']} |"
-                     f" {p['pct_of_kept_slots']:.2f}% | {xf} | {zc} | {cc} |")
-    lines += ["", "Retained REAP saliency mass of each ranking under its own plan (the seed: 62.6% under B,"
-              " 62.5% under C):", "", "| ranking | corpus | retained mass |", "|---|---|---:|"]
+        zc = (
+            f"{pct(zh['promoted_frac_more_by_b'], 0)} ({pct(zh['all_frac_more_by_b'], 0)})"
+            if zh
+            else "n/a"
+        )
+        cc = (
+            f"{pct(code['promoted_frac_more_by_b'], 0)} ({pct(code['all_frac_more_by_b'], 0)})"
+            if code
+            else "n/a"
+        )
+        lines.append(
+            f"| {p['earlier']} -> {p['later']} | {p['change']} | {added} | {p['flips']} |"
+            f" {p['pct_of_kept_slots']:.2f}% | {xf} | {zc} | {cc} |"
+        )
+    lines += [
+        "",
+        "Retained REAP saliency mass of each ranking under its own plan (the seed: 62.6% under B,"
+        " 62.5% under C):",
+        "",
+        "| ranking | corpus | retained mass |",
+        "|---|---|---:|",
+    ]
     for r in cmp["rankings"]:
         lines.append(f"| {r['label']} | {r['corpus']} | {pct(r['retained_mass'], 2)} |")
     bc = next((p for p in cmp["pairs"] if p["earlier"] == "B" and p["later"] == "C"), None)
     if bc is not None:
         sup = bc["support"].get("rate@en", {}).get("promoted", {})
-        lines += ["", f"B -> C: B's saliency keeps {pct(bc['mass']['earlier_saliency_under_later_plan'], 2)} of its"
-                  f" mass under C's plan (vs {pct(bc['mass']['own_earlier'], 2)} under its own); promoted experts'"
-                  " English routing rate is"
-                  f" {_f(sup.get('median_ratio_to_layer_median'), 2)}x the layer median (median over promoted;"
-                  f" {pct(sup.get('frac_below_layer_median'), 0)} below the median,"
-                  f" {pct(sup.get('frac_never_routed'), 0)} never routed by the English calibration text)."]
+        lines += [
+            "",
+            f"B -> C: B's saliency keeps {pct(bc['mass']['earlier_saliency_under_later_plan'], 2)} of its"
+            f" mass under C's plan (vs {pct(bc['mass']['own_earlier'], 2)} under its own); promoted experts'"
+            " English routing rate is"
+            f" {_f(sup.get('median_ratio_to_layer_median'), 2)}x the layer median (median over promoted;"
+            f" {pct(sup.get('frac_below_layer_median'), 0)} below the median,"
+            f" {pct(sup.get('frac_never_routed'), 0)} never routed by the English calibration text).",
+        ]
     fbs = results.get("flips_by_sparsity") or {}
     if fbs:
-        lines += ["", "The same pairs at other cut points (flips, % of kept slots, promoted zh-heavy / all experts):",
-                  "", "| sparsity | keep | " + " | ".join(f"{a} -> {b}" for a, b in FLIP_PAIRS) + " |",
-                  "|---:|---:|" + "---:|" * len(FLIP_PAIRS)]
+        lines += [
+            "",
+            "The same pairs at other cut points (flips, % of kept slots, promoted zh-heavy / all experts):",
+            "",
+            "| sparsity | keep | " + " | ".join(f"{a} -> {b}" for a, b in FLIP_PAIRS) + " |",
+            "|---:|---:|" + "---:|" * len(FLIP_PAIRS),
+        ]
         for sp, f in fbs.items():
             cells = []
             for a, b in FLIP_PAIRS:
                 r = f["pairs"].get(f"{a}->{b}")
-                cells.append("n/a" if r is None else
-                             f"{r['flips']} ({r['pct_of_kept_slots']:.1f}%; {pct(r['promoted_zh_heavy'], 0)}"
-                             f" / {pct(r['all_zh_heavy'], 0)})")
+                cells.append(
+                    "n/a"
+                    if r is None
+                    else f"{r['flips']} ({r['pct_of_kept_slots']:.1f}%; {pct(r['promoted_zh_heavy'], 0)}"
+                    f" / {pct(r['all_zh_heavy'], 0)})"
+                )
             lines.append(f"| {float(sp):g} | {f['keep']} | " + " | ".join(cells) + " |")
-    lines += ["", "![flips per layer](compare/flips_per_layer.png)", "",
-              "Full comparison (all pairs, per-layer flips, support): `compare/compare.md`; mass per tier:"
-              " `tiers/`.", ""]
+    lines += [
+        "",
+        "![flips per layer](compare/flips_per_layer.png)",
+        "",
+        "Full comparison (all pairs, per-layer flips, support): `compare/compare.md`; mass per tier:"
+        " `tiers/`.",
+        "",
+    ]
     tiers = results["tiers"]["rows"] or []
     if tiers:
-        lines += ["Retained REAP(en+zh+code) mass by tier:", "", "| keep | pruned | retained mass |", "|---:|---:|---:|"]
+        lines += [
+            "Retained REAP(en+zh+code) mass by tier:",
+            "",
+            "| keep | pruned | retained mass |",
+            "|---:|---:|---:|",
+        ]
         for t in tiers:
-            lines.append(f"| {t['keep']} | {pct(t['pruned_fraction'], 1)} | {pct(t['retained_mass_mean'], 1)} |")
+            lines.append(
+                f"| {t['keep']} | {pct(t['pruned_fraction'], 1)} | {pct(t['retained_mass_mean'], 1)} |"
+            )
         lines.append("")
     lines += [
         "## Checkpoints",
@@ -282,33 +384,45 @@ def render_report(results: dict) -> str:
         "",
     ]
     if mdl.get("left_out_of_checkpoint_source"):
-        lines += [f"(The rewriter read the source through `{mdl['checkpoint_source']}`, a byte-identical copy of every file of"
-                  f" the model folder except {', '.join(f'`{f}`' for f in mdl['left_out_of_checkpoint_source'])},"
-                  " which is not a weight shard and which the rewriter refuses.)", ""]
+        lines += [
+            f"(The rewriter read the source through `{mdl['checkpoint_source']}`, a byte-identical copy of every file of"
+            f" the model folder except {', '.join(f'`{f}`' for f in mdl['left_out_of_checkpoint_source'])},"
+            " which is not a weight shard and which the rewriter refuses.)",
+            "",
+        ]
     lines += [
         "| method | plan | checkpoint | experts | tensors sha256-equal to source | MB | verify | seconds |",
         "|---|---|---|---:|---:|---:|---|---:|",
     ]
-    for name, r in pr.items():
+    for r in pr.values():
         v = r["verify"]
-        lines.append(f"| {r['label']} | `{r['plan']}` | `{r['checkpoint']}` | {r['num_experts_before']} -> "
-                     f"{r['num_experts_after']} | {v.get('tensors_matching_source')} / {v.get('tensors')} |"
-                     f" {r['bytes'] / 1e6:.2f} | {'OK' if v['ok'] else 'FAILED'} | {r['seconds']:.1f} |")
+        lines.append(
+            f"| {r['label']} | `{r['plan']}` | `{r['checkpoint']}` | {r['num_experts_before']} -> "
+            f"{r['num_experts_after']} | {v.get('tensors_matching_source')} / {v.get('tensors')} |"
+            f" {r['bytes'] / 1e6:.2f} | {'OK' if v['ok'] else 'FAILED'} | {r['seconds']:.1f} |"
+        )
     lines += ["", "## Generations", ""]
     prompts = results["generations"]["prompts"]
     for lang in LANGS:
         for i, p in enumerate(prompts[lang][:1]):
             lines += [f"**{lang}**, prompt ({p['source']}): `{_md(p['text'])}`", ""]
             for name in _model_order(results):
-                row = next(r for r in results["generations"]["by_model"][name] if r["lang"] == lang and r["prompt"] == i)
-                lines.append(f"- {_label(results, name)} (run {row['repeat_run_tokens']} tok):"
-                             f" `{_md(row['text'])}`")
+                row = next(
+                    r
+                    for r in results["generations"]["by_model"][name]
+                    if r["lang"] == lang and r["prompt"] == i
+                )
+                lines.append(
+                    f"- {_label(results, name)} (run {row['repeat_run_tokens']} tok):"
+                    f" `{_md(row['text'])}`"
+                )
             lines.append("")
     t = results["timing"]
     lines += [
         "## Timing",
         "",
-        " | ".join(f"{k} {v:.0f} s" for k, v in t.items() if k != "total") + f" | **total {t['total']:.0f} s**",
+        " | ".join(f"{k} {v:.0f} s" for k, v in t.items() if k != "total")
+        + f" | **total {t['total']:.0f} s**",
         "",
         "## Limits",
         "",
@@ -343,19 +457,29 @@ def summary_tables(results: dict) -> str:
             kept, mass = pr[name]["num_experts_after"], pct(pr[name]["retained_reap_mass_D"])
         kl = " | ".join("-" if name == REFERENCE else _f(q[name][l]["kl"], 4) for l in LANGS)
         t1 = "-" if name == REFERENCE else pct(q[name]["zh"]["top1_agreement"])
-        lines.append(f"| {_label(results, name)} | {kept} | {mass} | "
-                     + " | ".join(_f(q[name][l]["nll"]) for l in LANGS) + f" | {kl} | {t1} |"
-                     f" {gs[name]['zh']['max_repeat_run_tokens']} / {gs[name]['zh']['mean_repeat_run_tokens']:.1f} |")
+        lines.append(
+            f"| {_label(results, name)} | {kept} | {mass} | "
+            + " | ".join(_f(q[name][l]["nll"]) for l in LANGS)
+            + f" | {kl} | {t1} |"
+            f" {gs[name]['zh']['max_repeat_run_tokens']} / {gs[name]['zh']['mean_repeat_run_tokens']:.1f} |"
+        )
     fbs = results.get("flips_by_sparsity") or {}
     if fbs:
-        lines += ["", "| sparsity (keep) | " + " | ".join(f"{a} -> {b}" for a, b in FLIP_PAIRS) + " |",
-                  "|---|" + "---:|" * len(FLIP_PAIRS)]
+        lines += [
+            "",
+            "| sparsity (keep) | " + " | ".join(f"{a} -> {b}" for a, b in FLIP_PAIRS) + " |",
+            "|---|" + "---:|" * len(FLIP_PAIRS),
+        ]
         for sp, f in fbs.items():
             cells = []
             for a, b in FLIP_PAIRS:
                 r = f["pairs"].get(f"{a}->{b}")
-                cells.append("n/a" if r is None else f"{r['flips']} / {f['kept_slots']} = {r['pct_of_kept_slots']:.1f}%"
-                             f" (zh-heavy {pct(r['promoted_zh_heavy'], 0)})")
+                cells.append(
+                    "n/a"
+                    if r is None
+                    else f"{r['flips']} / {f['kept_slots']} = {r['pct_of_kept_slots']:.1f}%"
+                    f" (zh-heavy {pct(r['promoted_zh_heavy'], 0)})"
+                )
             lines.append(f"| {float(sp):.0%} ({f['keep']}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -9,9 +9,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 from .config import REPO
 
@@ -58,8 +58,14 @@ def quiet_libraries() -> None:
         from loguru import logger
 
         logger.remove()
-        logger.add(sys.stderr, level="WARNING", filter=lambda r: "No accelerator" not in r["message"]
-                   and "limited support for models already quantized" not in r["message"])
+        logger.add(
+            sys.stderr,
+            level="WARNING",
+            filter=lambda r: (
+                "No accelerator" not in r["message"]
+                and "limited support for models already quantized" not in r["message"]
+            ),
+        )
     except Exception:  # pragma: no cover
         pass
     import warnings
@@ -111,16 +117,22 @@ def ensure_corpora(data_dir: Path, default: bool, log: Callable[[str], None] = l
     if corpora_available(data_dir):
         return
     if not default:
-        raise SystemExit(f"corpora not found in {data_dir} (data/<lang>/<split>.jsonl); build them with "
-                         f"`python scripts/build_corpora.py --data-dir {data_dir}`")
+        raise SystemExit(
+            f"corpora not found in {data_dir} (data/<lang>/<split>.jsonl); build them with "
+            f"`python scripts/build_corpora.py --data-dir {data_dir}`"
+        )
     script = REPO / "scripts" / "build_corpora.py"
-    log(f"corpora not found in {data_dir}: building them with {script.relative_to(REPO)} (a few minutes)")
+    log(
+        f"corpora not found in {data_dir}: building them with {script.relative_to(REPO)} (a few minutes)"
+    )
     subprocess.run([sys.executable, str(script), "--data-dir", str(data_dir)], check=True)
     if not corpora_available(data_dir):
         raise SystemExit(f"{script} ran but {data_dir} is still incomplete")
 
 
-def checkpoint_source(model_dir: Path, out: Path, log: Callable[[str], None] = log_line) -> tuple[Path, list[str]]:
+def checkpoint_source(
+    model_dir: Path, out: Path, log: Callable[[str], None] = log_line
+) -> tuple[Path, list[str]]:
     """The directory the checkpoint rewriter reads. Normally ``model_dir`` itself. The rewriter
     refuses a directory holding safetensors files that are not weight shards (e.g. an evaluation
     slice saved next to a single ``model.safetensors``); then the job reads the checkpoint through
@@ -136,36 +148,54 @@ def checkpoint_source(model_dir: Path, out: Path, log: Callable[[str], None] = l
         index = model_dir / "model.safetensors.index.json"
         if index.is_file() or not (model_dir / "model.safetensors").is_file():
             raise
-        extra = sorted(p.relative_to(model_dir).as_posix() for p in model_dir.rglob("*.safetensors")
-                       if p.name != "model.safetensors" or p.parent != model_dir)
+        extra = sorted(
+            p.relative_to(model_dir).as_posix()
+            for p in model_dir.rglob("*.safetensors")
+            if p.name != "model.safetensors" or p.parent != model_dir
+        )
     if not extra:
         return model_dir, []
     view = out / "source"
     view.mkdir(parents=True)
     for f in sorted(model_dir.iterdir()):
-        if f.relative_to(model_dir).as_posix() in extra or (f.is_dir() and any(
-                e.startswith(f.name + "/") for e in extra)):
+        if f.relative_to(model_dir).as_posix() in extra or (
+            f.is_dir() and any(e.startswith(f.name + "/") for e in extra)
+        ):
             continue
         if f.is_dir():
             shutil.copytree(f, view / f.name)
         else:
             shutil.copy2(f, view / f.name)
-    log(f"   {model_dir} also holds {', '.join(extra)} (not weight shards; the checkpoint rewriter refuses"
-        f" those): reading the checkpoint through {view} (a copy of every other file)")
+    log(
+        f"   {model_dir} also holds {', '.join(extra)} (not weight shards; the checkpoint rewriter refuses"
+        f" those): reading the checkpoint through {view} (a copy of every other file)"
+    )
     return view, extra
 
 
 OUT_MARKER = ".reap-demo"
-OUT_ENTRIES = ("source", "scores", "plans", "pruned", "compare", "tiers", "report.md", "results.json", "quality.png",
-               "nll_per_language.png")
+OUT_ENTRIES = (
+    "source",
+    "scores",
+    "plans",
+    "pruned",
+    "compare",
+    "tiers",
+    "report.md",
+    "results.json",
+    "quality.png",
+    "nll_per_language.png",
+)
 
 
 def prepare_out_dir(out: Path) -> None:
     """Create ``out`` or clear the previous demo run in it. A non-empty folder that holds no earlier
     run (no ``.reap-demo`` marker) is refused, so ``--out`` can never delete unrelated files."""
     if out.exists() and any(out.iterdir()) and not (out / OUT_MARKER).is_file():
-        raise SystemExit(f"refusing to write into {out}: it is not empty and holds no earlier demo run "
-                         f"(no {OUT_MARKER} marker); choose another --out")
+        raise SystemExit(
+            f"refusing to write into {out}: it is not empty and holds no earlier demo run "
+            f"(no {OUT_MARKER} marker); choose another --out"
+        )
     out.mkdir(parents=True, exist_ok=True)
     for name in OUT_ENTRIES:
         p = out / name
@@ -173,4 +203,6 @@ def prepare_out_dir(out: Path) -> None:
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
-    (out / OUT_MARKER).write_text("written by python -m reap_modifier.demo; the folder is replaced on rerun\n")
+    (out / OUT_MARKER).write_text(
+        "written by python -m reap_modifier.demo; the folder is replaced on rerun\n"
+    )

@@ -97,7 +97,9 @@ def _classify(module: nn.Module) -> tuple[str, str] | None:
     experts = getattr(module, EXPERTS_ATTR, None)
     if experts is None or not isinstance(experts, nn.Module):
         return None
-    router_attr = next((a for a in ROUTER_ATTRS if isinstance(getattr(module, a, None), nn.Module)), None)
+    router_attr = next(
+        (a for a in ROUTER_ATTRS if isinstance(getattr(module, a, None), nn.Module)), None
+    )
     if router_attr is None:
         return None
     router = getattr(module, router_attr)
@@ -166,9 +168,7 @@ def find_moe_architecture(model: nn.Module, ignore: list[str] | None = None) -> 
         k for k in COUNT_KEYS if isinstance(getattr(cfg, k, None), int)
     ]
     if not count_keys:
-        raise NoMoEError(
-            f"{type(cfg).__name__} has none of the expert-count keys {COUNT_KEYS}"
-        )
+        raise NoMoEError(f"{type(cfg).__name__} has none of the expert-count keys {COUNT_KEYS}")
     num_experts = int(getattr(cfg, count_keys[0]))
     _, top_k = first_key(cfg, TOP_K_KEYS)
     if top_k is None:

@@ -17,7 +17,15 @@ __all__ = ["ExpertsCallAdapter"]
 @register_adapter
 class ExpertsCallAdapter(MoEAdapter):
     kind = "experts_call"
-    families = ("Qwen3-MoE", "OLMoE", "Mixtral", "DeepSeek-V3", "GLM4-MoE", "GPT-OSS", "LinearExperts2D")
+    families = (
+        "Qwen3-MoE",
+        "OLMoE",
+        "Mixtral",
+        "DeepSeek-V3",
+        "GLM4-MoE",
+        "GPT-OSS",
+        "LinearExperts2D",
+    )
 
     @classmethod
     def matches(cls, block: nn.Module, experts: nn.Module, router: nn.Module) -> bool:

@@ -23,4 +23,8 @@ class KimiBlockAdapter(MoEAdapter):
 
     @classmethod
     def matches(cls, block: nn.Module, experts: nn.Module, router: nn.Module) -> bool:
-        return isinstance(experts, nn.ModuleList) and hasattr(block, "moe_infer") and hasattr(block, "gate")
+        return (
+            isinstance(experts, nn.ModuleList)
+            and hasattr(block, "moe_infer")
+            and hasattr(block, "gate")
+        )

@@ -64,6 +64,7 @@ __all__ = [
 ROUTER_NAME_RE = re.compile(r"^(?P<layer>.+)\.(?:gate|router)\.weight$")
 _LAYER_NUM_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
+
 def layer_number(layer: str) -> int:
     """The layer number in a module path (last ``layers.<n>``), else CRC32 of the path."""
     found = _LAYER_NUM_RE.findall(layer)
@@ -187,7 +188,9 @@ def _checkpoint_files(checkpoint: Path) -> list[Path]:
         files = [checkpoint / f for f in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise ScoresError(f"{checkpoint}: shards listed in the index are missing: {missing[:4]}")
+            raise ScoresError(
+                f"{checkpoint}: shards listed in the index are missing: {missing[:4]}"
+            )
         return files
     files = sorted(checkpoint.glob("*.safetensors"))
     if not files:
@@ -202,8 +205,13 @@ def read_checkpoint_config(checkpoint: str | os.PathLike) -> dict:
     folder = checkpoint if checkpoint.is_dir() else checkpoint.parent
     path = folder / "config.json"
     if not path.is_file():
-        return {"num_experts": None, "top_k": None, "n_group": None, "topk_group": None,
-                "model_class": None}
+        return {
+            "num_experts": None,
+            "top_k": None,
+            "n_group": None,
+            "topk_group": None,
+            "model_class": None,
+        }
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -282,9 +290,7 @@ def read_router_weights(
     return {layer: weights[layer] for layer in order}
 
 
-def scores_from_weights(
-    checkpoint: str | os.PathLike, method: str, seed: int = 0
-) -> ExpertScores:
+def scores_from_weights(checkpoint: str | os.PathLike, method: str, seed: int = 0) -> ExpertScores:
     """``reap scores from-weights``: a baseline scores file for a safetensors checkpoint."""
     if method not in BASELINE_METHODS:
         raise ScoresError(

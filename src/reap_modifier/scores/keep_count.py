@@ -75,9 +75,7 @@ def compute_keep_count(
         requested = int(num_experts_to_keep)
         what = f"num_experts_to_keep={requested}"
         if not 0 < requested <= num_experts:
-            raise PlanError(
-                f"num_experts_to_keep must be in [1, {num_experts}], got {requested}"
-            )
+            raise PlanError(f"num_experts_to_keep must be in [1, {num_experts}], got {requested}")
     keep = requested
     notes: list[str] = []
     if divisible_by is not None:
@@ -134,9 +132,7 @@ def compute_keep_count(
 def group_args(metadata: dict) -> tuple[int, int | None, int | None]:
     top_k = metadata.get("top_k")
     if top_k is None:
-        logger.warning(
-            "scores metadata has no top_k; the keep count is only checked against 1"
-        )
+        logger.warning("scores metadata has no top_k; the keep count is only checked against 1")
         top_k = 1
     return int(top_k), metadata.get("n_group"), metadata.get("topk_group")
 

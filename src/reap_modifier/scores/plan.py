@@ -34,9 +34,7 @@ PLAN_FORMAT = "reap-plan"
 PLAN_VERSION = 1
 
 
-def select_experts(
-    saliency: torch.Tensor, keep: int, n_group: int | None = None
-) -> list[int]:
+def select_experts(saliency: torch.Tensor, keep: int, n_group: int | None = None) -> list[int]:
     """Ascending ids of the ``keep`` highest-saliency experts (per group when grouped).
 
     Deterministic: ties are broken toward the lower original index.
@@ -91,7 +89,8 @@ class PruningPlan:
             for layer, ids in self.kept.items():
                 by_count.setdefault(len(ids), []).append(layer)
             detail = "; ".join(
-                f"{n} in {', '.join(layers[:3])}" + (f" (+{len(layers) - 3} more)" if len(layers) > 3 else "")
+                f"{n} in {', '.join(layers[:3])}"
+                + (f" (+{len(layers) - 3} more)" if len(layers) > 3 else "")
                 for n, layers in sorted(by_count.items())
             )
             raise PlanError(
@@ -104,7 +103,7 @@ class PruningPlan:
         """old id -> new id for one layer."""
         return {old: new for new, old in enumerate(self.kept[layer])}
 
-    def validate(self) -> "PruningPlan":
+    def validate(self) -> PruningPlan:
         if not self.kept:
             raise PlanError("plan holds no layers")
         n = self.num_kept
@@ -118,7 +117,9 @@ class PruningPlan:
             seen: set[int] = set()
             dup = sorted({i for i in ids if i in seen or seen.add(i)})
             if dup:
-                raise PlanError(f"plan layer {layer!r}: kept ids must be ascending and unique; {dup[:8]} repeated")
+                raise PlanError(
+                    f"plan layer {layer!r}: kept ids must be ascending and unique; {dup[:8]} repeated"
+                )
             if list(ids) != sorted(ids):
                 raise PlanError(f"plan layer {layer!r}: kept ids must be ascending (sort them)")
         if n == 0:
@@ -135,7 +136,7 @@ class PruningPlan:
         n_group: int | None = None,
         params: dict | None = None,
         counts: dict[str, torch.Tensor] | None = None,
-    ) -> "PruningPlan":
+    ) -> PruningPlan:
         """Cut every layer of ``saliency`` at ``keep`` (counts mark never-routed experts)."""
         kept, retained, ties, never = {}, {}, {}, {}
         for layer, scores in saliency.items():
@@ -200,11 +201,13 @@ class PruningPlan:
         return write_json_atomic(path, self.to_dict())
 
     @classmethod
-    def from_dict(cls, data: dict) -> "PruningPlan":
+    def from_dict(cls, data: dict) -> PruningPlan:
         if not isinstance(data, dict):
             raise PlanError(f"not a REAP plan (a JSON {type(data).__name__}, expected an object)")
         if data.get("format") != PLAN_FORMAT:
-            raise PlanError(f"not a REAP plan (format {data.get('format')!r}, expected {PLAN_FORMAT!r})")
+            raise PlanError(
+                f"not a REAP plan (format {data.get('format')!r}, expected {PLAN_FORMAT!r})"
+            )
         if data.get("version") != PLAN_VERSION:
             raise PlanError(
                 f"plan version {data.get('version')!r} is not supported (this reap-modifier "
@@ -215,15 +218,23 @@ class PruningPlan:
                 raise PlanError(f"plan lacks field {key!r}")
         kept = data["kept"]
         if not isinstance(kept, dict):
-            raise PlanError(f"plan field 'kept' must map layer names to lists of expert ids, got a {type(kept).__name__}")
+            raise PlanError(
+                f"plan field 'kept' must map layer names to lists of expert ids, got a {type(kept).__name__}"
+            )
         ids: dict[str, list[int]] = {}
         for layer, values in kept.items():
-            if not isinstance(values, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in values):
-                raise PlanError(f"plan layer {layer!r}: kept ids must be a list of integers, got {str(values)[:60]}")
+            if not isinstance(values, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in values
+            ):
+                raise PlanError(
+                    f"plan layer {layer!r}: kept ids must be a list of integers, got {str(values)[:60]}"
+                )
             ids[layer] = list(values)
         num_experts = data["num_experts"]
         if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
-            raise PlanError(f"plan field 'num_experts' must be a positive integer, got {num_experts!r}")
+            raise PlanError(
+                f"plan field 'num_experts' must be a positive integer, got {num_experts!r}"
+            )
         return cls(
             kept=ids,
             num_experts=num_experts,
@@ -235,7 +246,7 @@ class PruningPlan:
         ).validate()
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "PruningPlan":
+    def load(cls, path: str | os.PathLike) -> PruningPlan:
         """Read and validate a plan file; :class:`PlanError` names the file and the problem."""
         path = Path(path)
         try:

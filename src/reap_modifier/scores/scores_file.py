@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from safetensors import safe_open
@@ -114,9 +114,7 @@ def saliency_from_stats(stats: dict[str, torch.Tensor], name: str) -> torch.Tens
         return _safe_div(stats["sum_norm"], stats["count"])
     if name == "max_norm":
         return stats["max_norm"].clone()
-    raise ScoresError(
-        f"unknown saliency {name!r}; choose one of {', '.join(SALIENCY_NAMES)}"
-    )
+    raise ScoresError(f"unknown saliency {name!r}; choose one of {', '.join(SALIENCY_NAMES)}")
 
 
 @dataclass
@@ -136,12 +134,9 @@ class ExpertScores:
     @classmethod
     def empty(
         cls, layer_names: Iterable[str], num_experts: int, metadata: dict | None = None
-    ) -> "ExpertScores":
+    ) -> ExpertScores:
         layers = {
-            name: {
-                stat: torch.zeros(num_experts, dtype=torch.float64)
-                for stat in STAT_NAMES
-            }
+            name: {stat: torch.zeros(num_experts, dtype=torch.float64) for stat in STAT_NAMES}
             for name in layer_names
         }
         meta = {"num_experts": num_experts}
@@ -162,9 +157,7 @@ class ExpertScores:
     def sources(self) -> list[str]:
         names = set()
         for stats in self.layers.values():
-            names.update(
-                k[len(SOURCE_PREFIX) :] for k in stats if k.startswith(SOURCE_PREFIX)
-            )
+            names.update(k[len(SOURCE_PREFIX) :] for k in stats if k.startswith(SOURCE_PREFIX))
         return sorted(names)
 
     @property
@@ -195,10 +188,7 @@ class ExpertScores:
                 f"(computed from router weights); it has no {name!r} saliency. Use "
                 f"--saliency {self.method} or a calibrated scores file"
             )
-        return {
-            layer: saliency_from_stats(stats, name)
-            for layer, stats in self.layers.items()
-        }
+        return {layer: saliency_from_stats(stats, name) for layer, stats in self.layers.items()}
 
     def total_tokens(self) -> int:
         """Tokens observed (per layer; every layer sees every token)."""
@@ -259,7 +249,7 @@ class ExpertScores:
 
     # -- validation ------------------------------------------------------------
 
-    def validate(self) -> "ExpertScores":
+    def validate(self) -> ExpertScores:
         """Raise :class:`ScoresError` on missing stats, wrong shapes or non-finite values."""
         if "num_experts" not in self.metadata:
             raise ScoresError("scores metadata lacks 'num_experts'")
@@ -309,9 +299,7 @@ class ExpertScores:
                         f"{layer}::{stat} holds NaN/inf values (experts {bad}); "
                         "recalibrate or drop this file"
                     )
-                if (stat in _NON_NEGATIVE or stat.startswith(SOURCE_PREFIX)) and (
-                    tensor < 0
-                ).any():
+                if (stat in _NON_NEGATIVE or stat.startswith(SOURCE_PREFIX)) and (tensor < 0).any():
                     bad = (tensor < 0).nonzero().flatten().tolist()[:8]
                     raise ScoresError(
                         f"{layer}::{stat} holds negative values (experts {bad}); counts and "
@@ -321,7 +309,7 @@ class ExpertScores:
 
     # -- merge -------------------------------------------------------------------
 
-    def merge(self, other: "ExpertScores") -> "ExpertScores":
+    def merge(self, other: ExpertScores) -> ExpertScores:
         """Return the sum of two score sets (sums/counts add, max_norm takes the max).
 
         Refuses baseline (weights) files and files from different models, expert
@@ -336,9 +324,7 @@ class ExpertScores:
         for key in ("num_experts", "model_class", "top_k"):
             a, b = self.metadata.get(key), other.metadata.get(key)
             if a is not None and b is not None and a != b:
-                raise ScoresError(
-                    f"cannot merge scores of different models: {key} {a!r} != {b!r}"
-                )
+                raise ScoresError(f"cannot merge scores of different models: {key} {a!r} != {b!r}")
         a_fp = self.metadata.get("model_fingerprint")
         b_fp = other.metadata.get("model_fingerprint")
         if a_fp and b_fp and a_fp != b_fp:
@@ -408,7 +394,7 @@ class ExpertScores:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "ExpertScores":
+    def load(cls, path: str | os.PathLike) -> ExpertScores:
         """Read and validate a scores file; raise :class:`ScoresError` with the reason."""
         path = Path(path)
         if not path.is_file():
@@ -428,7 +414,9 @@ class ExpertScores:
         except Exception as exc:  # truncated / corrupt header
             raise ScoresError(f"cannot read scores file {path}: {exc}") from exc
         if not isinstance(meta, dict) or not isinstance(meta.get("layers", []), list):
-            raise ScoresError(f"{path}: the 'reap_scores' metadata is not a JSON object with a layer list")
+            raise ScoresError(
+                f"{path}: the 'reap_scores' metadata is not a JSON object with a layer list"
+            )
         if meta.get("format") != SCORES_FORMAT:
             raise ScoresError(f"{path}: format {meta.get('format')!r} is not {SCORES_FORMAT!r}")
         if meta.get("version") != SCORES_VERSION:

@@ -8,6 +8,12 @@
   only, every tensor placed), never imported here.
 """
 
-from .vllm_check import INSTALL_HINT, VllmCheckReport, VllmNotFound, check_with_vllm, find_vllm_python
+from .vllm_check import (
+    INSTALL_HINT,
+    VllmCheckReport,
+    VllmNotFound,
+    check_with_vllm,
+    find_vllm_python,
+)
 
 __all__ = ["INSTALL_HINT", "VllmCheckReport", "VllmNotFound", "check_with_vllm", "find_vllm_python"]

@@ -12,7 +12,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["Reference", "greedy_reference", "load_reference_model", "make_prompts", "sequence_logprobs"]
+__all__ = [
+    "Reference",
+    "greedy_reference",
+    "load_reference_model",
+    "make_prompts",
+    "sequence_logprobs",
+]
 
 
 @dataclass
@@ -24,13 +30,18 @@ class Reference:
     margins: list[list[float]]
 
 
-def make_prompts(vocab_size: int, n: int = 4, seed: int = 0, lengths=(8, 13, 16, 11)) -> list[list[int]]:
+def make_prompts(
+    vocab_size: int, n: int = 4, seed: int = 0, lengths=(8, 13, 16, 11)
+) -> list[list[int]]:
     """``n`` deterministic prompts of token ids in ``[3, vocab)`` (ids 0-2 are often special)."""
     import torch
 
     gen = torch.Generator().manual_seed(int(seed))
     lo = 3 if vocab_size > 8 else 0
-    return [torch.randint(lo, vocab_size, (lengths[i % len(lengths)],), generator=gen).tolist() for i in range(n)]
+    return [
+        torch.randint(lo, vocab_size, (lengths[i % len(lengths)],), generator=gen).tolist()
+        for i in range(n)
+    ]
 
 
 def load_reference_model(checkpoint: str | os.PathLike, dtype: str = "auto"):
@@ -64,7 +75,9 @@ def greedy_reference(model, prompts: list[list[int]], max_tokens: int) -> Refere
     return Reference(tokens, logprobs, margins)
 
 
-def sequence_logprobs(model, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[float]]:
+def sequence_logprobs(
+    model, prompts: list[list[int]], continuations: list[list[int]]
+) -> list[list[float]]:
     """Teacher-forced log-probability of each continuation token after its prompt."""
     import torch
 

@@ -32,14 +32,23 @@ CPU_ENV = {
 }
 
 #: options a user's ``--vllm-arg`` list may carry that rule out the single-process executor
-_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp")
+_PARALLEL_FLAGS = (
+    "--tensor-parallel-size",
+    "-tp",
+    "--pipeline-parallel-size",
+    "-pp",
+    "--data-parallel-size",
+    "-dp",
+)
 
 
 class ServerError(RuntimeError):
     """The server did not start, died, or answered with an error; ``log_tail`` says why."""
 
     def __init__(self, msg: str, log_tail: str = ""):
-        super().__init__(msg + (f"\n--- server log (last lines) ---\n{log_tail}" if log_tail else ""))
+        super().__init__(
+            msg + (f"\n--- server log (last lines) ---\n{log_tail}" if log_tail else "")
+        )
         self.log_tail = log_tail
 
 
@@ -130,7 +139,7 @@ class VllmServer:
             return ""
         return "\n".join(text[-lines:])
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         t0 = time.monotonic()
@@ -144,13 +153,18 @@ class VllmServer:
         deadline = t0 + self.startup_timeout
         while True:
             if self.proc.poll() is not None:
-                raise ServerError(f"vLLM server exited with code {self.proc.returncode} before it was healthy", self.log_tail())
+                raise ServerError(
+                    f"vLLM server exited with code {self.proc.returncode} before it was healthy",
+                    self.log_tail(),
+                )
             if self._healthy():
                 self.startup_seconds = time.monotonic() - t0
                 return self
             if time.monotonic() > deadline:
                 self.stop()
-                raise ServerError(f"vLLM server not healthy after {self.startup_timeout:.0f} s", self.log_tail())
+                raise ServerError(
+                    f"vLLM server not healthy after {self.startup_timeout:.0f} s", self.log_tail()
+                )
             time.sleep(0.5)
 
     def _healthy(self) -> bool:
@@ -186,7 +200,7 @@ class VllmServer:
         while live_group_members(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -194,17 +208,26 @@ class VllmServer:
 
     def complete(self, prompts: list[list[int]], **params) -> list[dict]:
         """POST ``/v1/completions`` with token-id prompts; the choices in prompt order."""
-        body = {"model": SERVED_NAME, "prompt": prompts, "temperature": 0.0, "return_token_ids": True}
+        body = {
+            "model": SERVED_NAME,
+            "prompt": prompts,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        }
         body.update(params)
         req = urllib.request.Request(
-            self.url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+            self.url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
         )
         try:
             with urllib.request.urlopen(req, timeout=self.request_timeout) as r:
                 reply = json.load(r)
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:2000]
-            raise ServerError(f"/v1/completions answered HTTP {exc.code}: {detail}", self.log_tail()) from None
+            raise ServerError(
+                f"/v1/completions answered HTTP {exc.code}: {detail}", self.log_tail()
+            ) from None
         except (urllib.error.URLError, OSError) as exc:
             raise ServerError(f"/v1/completions failed: {exc}", self.log_tail()) from None
         return sorted(reply["choices"], key=lambda c: c["index"])

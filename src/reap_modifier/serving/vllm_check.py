@@ -69,10 +69,17 @@ class VllmInfo:
 @functools.lru_cache(maxsize=8)
 def _probe_python(python: str) -> VllmInfo | None:
     """vLLM's version and CUDA availability in ``python`` (importing vLLM takes ~5-15 s, once)."""
-    code = "import json, torch, vllm; print(json.dumps([vllm.__version__, torch.cuda.is_available()]))"
+    code = (
+        "import json, torch, vllm; print(json.dumps([vllm.__version__, torch.cuda.is_available()]))"
+    )
     try:
         out = subprocess.run(
-            [python, "-c", code], capture_output=True, text=True, timeout=300, env=vllm_env(), stdin=subprocess.DEVNULL
+            [python, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=vllm_env(),
+            stdin=subprocess.DEVNULL,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -86,7 +93,11 @@ def find_vllm_python(python: str | os.PathLike | None = None) -> VllmInfo:
     """The interpreter to run vLLM with: ``python``, else ``$REAP_VLLM_PYTHON``, else
     ``./.venv-vllm/bin/python``, else this interpreter if it can import vLLM."""
     tried = []
-    candidates = [python] if python else [os.environ.get("REAP_VLLM_PYTHON"), ".venv-vllm/bin/python", sys.executable]
+    candidates = (
+        [python]
+        if python
+        else [os.environ.get("REAP_VLLM_PYTHON"), ".venv-vllm/bin/python", sys.executable]
+    )
     for cand in candidates:
         if not cand:
             continue
@@ -100,7 +111,9 @@ def find_vllm_python(python: str | os.PathLike | None = None) -> VllmInfo:
         tried.append(f"{cand} (cannot import vllm)")
         if python:
             break
-    raise VllmNotFound(f"no Python with vLLM: tried {', '.join(tried) or 'nothing'}; {INSTALL_HINT}")
+    raise VllmNotFound(
+        f"no Python with vLLM: tried {', '.join(tried) or 'nothing'}; {INSTALL_HINT}"
+    )
 
 
 @dataclass
@@ -209,18 +222,38 @@ def check_with_vllm(
     return report
 
 
-def _run_load_probe(report, info: VllmInfo, ckpt: Path, dtype, max_model_len, work: Path, timeout) -> None:
+def _run_load_probe(
+    report, info: VllmInfo, ckpt: Path, dtype, max_model_len, work: Path, timeout
+) -> None:
     out = work / "load_probe.json"
     log = work / "load_probe.log"
     report.log_path = str(log)
     t0 = time.monotonic()
-    cmd = [info.python, str(PROBE_SCRIPT), "--model", str(ckpt), "--out", str(out), "--dtype", dtype]
+    cmd = [
+        info.python,
+        str(PROBE_SCRIPT),
+        "--model",
+        str(ckpt),
+        "--out",
+        str(out),
+        "--dtype",
+        dtype,
+    ]
     cmd += ["--max-model-len", str(max_model_len)]
     try:
         with open(log, "wb") as fh:
-            subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=vllm_env(), timeout=timeout)
+            subprocess.run(
+                cmd,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=vllm_env(),
+                timeout=timeout,
+            )
     except subprocess.TimeoutExpired:
-        report.failures.append(f"vLLM weight loading did not finish in {timeout:.0f} s (log: {log})")
+        report.failures.append(
+            f"vLLM weight loading did not finish in {timeout:.0f} s (log: {log})"
+        )
         return
     report.seconds["load"] = round(time.monotonic() - t0, 1)
     if not out.exists():
@@ -231,7 +264,9 @@ def _run_load_probe(report, info: VllmInfo, ckpt: Path, dtype, max_model_len, wo
     pl = res.get("placement") or {}
     if res.get("error"):
         report.loaded = False
-        report.failures.append(f"vLLM rejected the checkpoint during {res.get('stage', 'config')}: {res['error']}")
+        report.failures.append(
+            f"vLLM rejected the checkpoint during {res.get('stage', 'config')}: {res['error']}"
+        )
         return
     report.loaded = bool(res.get("ok"))
     for name in pl.get("missing", []):
@@ -245,13 +280,26 @@ def _run_load_probe(report, info: VllmInfo, ckpt: Path, dtype, max_model_len, wo
             "its parameters (per-expert tensors in their expert slot)"
             + (f"; {len(pl['ignored'])} tensors ignored by design" if pl.get("ignored") else "")
         )
-        report.notes.append("not served: the load check stops before kernel repacking and runs no forward pass")
+        report.notes.append(
+            "not served: the load check stops before kernel repacking and runs no forward pass"
+        )
     if res.get("shims"):
         report.notes.append("load-only shims (no CUDA): " + "; ".join(res["shims"]))
 
 
 def _run_serve(
-    report, info, ckpt, dtype, reference, prompts, max_tokens, max_model_len, server_args, work, timeout, reference_model
+    report,
+    info,
+    ckpt,
+    dtype,
+    reference,
+    prompts,
+    max_tokens,
+    max_model_len,
+    server_args,
+    work,
+    timeout,
+    reference_model,
 ) -> None:
     prompts = prompts or make_prompts(_vocab_size(ckpt))
     report.prompts = prompts
@@ -259,7 +307,11 @@ def _run_serve(
     if reference:
         t0 = time.monotonic()
         try:
-            model = reference_model if reference_model is not None else load_reference_model(ckpt, dtype)
+            model = (
+                reference_model
+                if reference_model is not None
+                else load_reference_model(ckpt, dtype)
+            )
         except Exception as exc:  # noqa: BLE001 - reported, the check cannot compare without it
             report.failures.append(
                 f"transformers could not load the checkpoint for the reference ({type(exc).__name__}: {exc}); "
@@ -286,11 +338,15 @@ def _run_serve(
             report.vllm_tokens = [list(c["token_ids"]) for c in choices]
             report.served = all(len(t) == max_tokens for t in report.vllm_tokens)
             if ref is not None:
-                scored = server.complete([p + t for p, t in zip(prompts, ref.tokens)], max_tokens=1, prompt_logprobs=0)
+                scored = server.complete(
+                    [p + t for p, t in zip(prompts, ref.tokens)], max_tokens=1, prompt_logprobs=0
+                )
                 report.vllm_logprobs = _scored_logprobs(scored, prompts, ref.tokens)
                 if report.vllm_logprobs:
                     report.max_logprob_diff = max(
-                        abs(a - b) for va, vb in zip(report.vllm_logprobs, ref.logprobs) for a, b in zip(va, vb)
+                        abs(a - b)
+                        for va, vb in zip(report.vllm_logprobs, ref.logprobs)
+                        for a, b in zip(va, vb)
                     )
             report.seconds["requests"] = round(time.monotonic() - t0, 1)
     except ServerError as exc:
@@ -299,7 +355,9 @@ def _run_serve(
         report.failures.append(f"vLLM server: {exc}")
         return
     if not report.served:
-        report.failures.append(f"vLLM returned fewer than {max_tokens} tokens: {report.vllm_tokens}")
+        report.failures.append(
+            f"vLLM returned fewer than {max_tokens} tokens: {report.vllm_tokens}"
+        )
         return
     report.proved.append(
         f"served: vLLM {info.version} OpenAI server answered {len(prompts)} greedy completions of {max_tokens} tokens "
@@ -321,7 +379,11 @@ def _run_serve(
     if not bad:
         report.proved.append(
             f"tokens match: vLLM's greedy tokens equal transformers' on all {len(prompts)} prompts x {max_tokens} tokens"
-            + (f"; max |log-prob difference| on identical inputs {report.max_logprob_diff:.2e}" if report.max_logprob_diff is not None else "")
+            + (
+                f"; max |log-prob difference| on identical inputs {report.max_logprob_diff:.2e}"
+                if report.max_logprob_diff is not None
+                else ""
+            )
         )
 
 

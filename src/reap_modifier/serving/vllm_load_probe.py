@@ -181,7 +181,13 @@ def _find(t, p):
     rows = t.shape[0]
     for s in range(lead):
         block = view[s][:, :width]
-        first = (block.reshape(block.shape[0], -1) == ref[0].reshape(-1)).all(dim=1).nonzero().flatten().tolist()
+        first = (
+            (block.reshape(block.shape[0], -1) == ref[0].reshape(-1))
+            .all(dim=1)
+            .nonzero()
+            .flatten()
+            .tolist()
+        )
         for r in first:
             if r + rows <= block.shape[0] and torch.equal(block[r : r + rows], ref):
                 return s, r
@@ -217,12 +223,23 @@ def place_tensors(model_dir: Path, params: dict) -> dict:
             break
         if hit is None:
             missing.append(name)
-        elif want_slot is not None and ".experts." in hit[0] and params[hit[0]].dim() > t.dim() and hit[1][0] != want_slot:
+        elif (
+            want_slot is not None
+            and ".experts." in hit[0]
+            and params[hit[0]].dim() > t.dim()
+            and hit[1][0] != want_slot
+        ):
             misplaced.append(f"{name} -> {hit[0]}[{hit[1][0]}] (expected expert slot {want_slot})")
         else:
             placed += 1
             where[name] = f"{hit[0]}[{hit[1][0]}, {hit[1][1]}:]"
-    return {"placed": placed, "misplaced": misplaced, "missing": missing, "ignored": ignored, "where": where}
+    return {
+        "placed": placed,
+        "misplaced": misplaced,
+        "missing": missing,
+        "ignored": ignored,
+        "where": where,
+    }
 
 
 def run(model: str, dtype: str, max_model_len: int) -> dict:
@@ -242,14 +259,17 @@ def run(model: str, dtype: str, max_model_len: int) -> dict:
         result["stage"] = "config"
         cfg = _engine_config(model, dtype, max_model_len, result["shims"])
         mc = cfg.model_config
-        result.update(architecture=mc.architecture, quantization=mc.quantization, dtype=str(mc.dtype))
+        result.update(
+            architecture=mc.architecture, quantization=mc.quantization, dtype=str(mc.dtype)
+        )
         loader = get_model_loader(cfg.load_config)
         with set_current_vllm_config(cfg):
             init_distributed_environment(
                 world_size=1,
                 rank=0,
                 local_rank=0,
-                distributed_init_method="file://" + os.path.join(tempfile.mkdtemp(prefix="reap-vllm-"), "init"),
+                distributed_init_method="file://"
+                + os.path.join(tempfile.mkdtemp(prefix="reap-vllm-"), "init"),
                 backend="gloo",
             )
             initialize_model_parallel(1, 1)
@@ -260,11 +280,19 @@ def run(model: str, dtype: str, max_model_len: int) -> dict:
             loader.load_weights(net, mc)  # raises if a parameter got no checkpoint tensor
             result["stage"] = "placement"
         params = {n: p.detach() for n, p in net.named_parameters()}
-        params.update({n: b.detach() for n, b in net.named_buffers() if b.is_floating_point() or b.dtype == torch.uint8})
+        params.update(
+            {
+                n: b.detach()
+                for n, b in net.named_buffers()
+                if b.is_floating_point() or b.dtype == torch.uint8
+            }
+        )
         result["parameters"] = len(params)
         result["placement"] = place_tensors(Path(model), params)
         pl = result["placement"]
-        result["checkpoint_tensors"] = pl["placed"] + len(pl["misplaced"]) + len(pl["missing"]) + len(pl["ignored"])
+        result["checkpoint_tensors"] = (
+            pl["placed"] + len(pl["misplaced"]) + len(pl["missing"]) + len(pl["ignored"])
+        )
         result["ok"] = not pl["misplaced"] and not pl["missing"]
         result["stage"] = "done"
     except BaseException as exc:  # report every failure as data, the caller decides
