@@ -44,7 +44,7 @@ def load_script():
 def model():
     from transformers import AutoModelForCausalLM
 
-    from reap_modifier.compat import register_kimi_auto_classes
+    from reap_modifier.models.loading import register_kimi_auto_classes
 
     register_kimi_auto_classes()  # kimi_k3 is llm-compressor's model type, unknown to transformers
 

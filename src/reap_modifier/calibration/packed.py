@@ -36,7 +36,7 @@ import torch
 from loguru import logger
 from torch import nn
 
-from .. import compat
+from .decompress_hook import pause_decompress_hook
 
 __all__ = [
     "Granularity",
@@ -301,7 +301,7 @@ class PackedCompute:
         (non-expert) compressed modules, and hook the experts."""
         if self.attached:
             return
-        self._resume_decompress = compat.pause_decompress_hook(self.model)
+        self._resume_decompress = pause_decompress_hook(self.model)
         for _, module in self.resident:
             self._materialise(module, expert=False)
         for module in self._layer_of:

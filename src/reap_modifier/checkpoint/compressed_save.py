@@ -60,7 +60,8 @@ def route_save_through_rewriter(
         return False
 
     def save_pretrained(save_directory, *args, **kwargs):
-        from ..calibration.distributed import is_source_process
+        from compressed_tensors.distributed import is_source_process
+
         from .rewrite import rewrite_checkpoint
 
         if not is_source_process():  # one writer, as llm-compressor's own save

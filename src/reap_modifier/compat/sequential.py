@@ -5,28 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..registries import calibration_batch_listeners
+
 __all__ = [
-    "add_calibration_batch_listener",
     "patch_calibration_cache",
     "patch_traced_config_attention",
     "rebuild_traced_config",
-    "remove_calibration_batch_listener",
 ]
-
-
-_BATCH_LISTENERS: list = []
-
-
-def add_calibration_batch_listener(listener) -> None:
-    """Call ``listener(batches: list[dict])`` whenever the sequential pipeline caches
-    the calibration batches (in the order ``state.current_batch_idx`` indexes)."""
-    if listener not in _BATCH_LISTENERS:
-        _BATCH_LISTENERS.append(listener)
-
-
-def remove_calibration_batch_listener(listener) -> None:
-    if listener in _BATCH_LISTENERS:
-        _BATCH_LISTENERS.remove(listener)
 
 
 class _RecordingLoader:
@@ -56,8 +41,8 @@ def patch_calibration_cache() -> None:
     attention implementation). Modifiers get ``state.current_batch_idx`` but not the
     batch (only AWQ's ``loss_mask`` is exposed, via ``use_loss_mask``), so without
     help an observer cannot tell padded positions from tokens. We hand the cached
-    batches' ``input_ids`` / ``attention_mask`` to registered listeners; nothing
-    else changes.
+    batches' ``input_ids`` / ``attention_mask`` to the listeners registered in
+    :mod:`reap_modifier.registries`; nothing else changes.
     """
     from llmcompressor.pipelines.cache import IntermediatesCache
 
@@ -66,11 +51,12 @@ def patch_calibration_cache() -> None:
         return
 
     def from_dataloader(cls, dataloader, *args, **kwargs):
-        if not _BATCH_LISTENERS:
+        listeners = calibration_batch_listeners()
+        if not listeners:
             return original(cls, dataloader, *args, **kwargs)
         recording = _RecordingLoader(dataloader)
         cache = original(cls, recording, *args, **kwargs)
-        for listener in list(_BATCH_LISTENERS):
+        for listener in listeners:
             listener(recording.batches)
         return cache
 
