@@ -232,19 +232,6 @@ class PackedCompute:
     def num_expert_modules(self) -> int:
         return len(self._layer_of)
 
-    def packed_bytes(self) -> int:
-        """Bytes of the packed parameters of every compressed module."""
-        from compressed_tensors.offload import disable_onloading
-
-        total = 0
-        with disable_onloading():
-            for module in self._compressor:
-                total += sum(p.nbytes for p in module._parameters.values() if p is not None)
-        return total
-
-    # -- dense weights ----------------------------------------------------------------
-
-    @torch.no_grad()
     def _materialise(
         self, module: nn.Module, *, expert: bool = True, dtype: torch.dtype | None = None
     ) -> None:
