@@ -111,6 +111,9 @@ def _run_prune(job) -> Path:
 
 
 def register(app: typer.Typer) -> None:
+    """Add ``prune`` and ``verify`` to ``app``. (Long only by the two commands' option
+    declarations; their work is in the functions above.)"""
+
     @app.command("prune", epilog=PRUNE_EXAMPLE)
     def prune(
         src: Path = typer.Argument(
