@@ -108,7 +108,9 @@ def k3_shaped(hidden: int, experts: int):
     from llmcompressor.modeling.kimi_k3.configuration_kimi_k3 import KimiK3Config
     from llmcompressor.modeling.kimi_k3.modeling_kimi_k3 import KimiK3ForConditionalGeneration
 
-    from reap_modifier import compat  # noqa: F401  (registers kimi_k3)
+    from reap_modifier.models.loading import register_kimi_auto_classes
+
+    register_kimi_auto_classes()
 
     text = dict(
         vocab_size=512,

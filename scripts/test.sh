@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what the tests need, then run the whole suite.
+# Install what the tests need, check lint, format and the import contracts, then run the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # vLLM goes into its own venv (./.venv-vllm; skipped when already installed). It installs in
@@ -10,6 +10,10 @@ status="$PWD/build/vllm-venv.rc"
 rm -f "$status"
 ( rc=0; bash scripts/vllm_venv.sh > build/vllm-venv.log 2>&1 || rc=$?; echo "$rc" > "$status" ) &
 bash scripts/bootstrap.sh
+# the package map (pyproject.toml's import-linter contracts), lint and format, before any test
+.venv/bin/lint-imports
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 export REAP_VLLM_PYTHON="${REAP_VLLM_PYTHON:-$PWD/.venv-vllm/bin/python}" REAP_REQUIRE_VLLM=1
 export REAP_VLLM_INSTALL_STATUS="$status"
 exec .venv/bin/python -m pytest -q "$@"

@@ -181,9 +181,9 @@ def write_k3_mxfp4(
     """Write the checkpoint to ``out`` (one shard in memory at a time); returns its sizes."""
     from safetensors.torch import save_file
 
-    from reap_modifier import compat
+    from reap_modifier.models.loading import register_kimi_auto_classes
 
-    compat.register_kimi_auto_classes()
+    register_kimi_auto_classes()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = k3_config(shape)

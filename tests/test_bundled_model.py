@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from eval_helpers import mean_nll
 
 from reap_modifier.demo import data as D
 
@@ -44,7 +45,7 @@ def load_script():
 def model():
     from transformers import AutoModelForCausalLM
 
-    from reap_modifier.compat import register_kimi_auto_classes
+    from reap_modifier.models.loading import register_kimi_auto_classes
 
     register_kimi_auto_classes()  # kimi_k3 is llm-compressor's model type, unknown to transformers
 
@@ -145,7 +146,7 @@ def test_loss_on_the_committed_slice_matches_the_card(model):
     assert set(windows) == set(D.LANGS)
     readme = (MODEL / "README.md").read_text()
     for lang, w in windows.items():
-        nll, n = D.mean_nll(model, w)
+        nll, n = mean_nll(model, w)
         assert n == w.shape[0] * (w.shape[1] - 1)
         want = c["eval"]["slice_loss"][lang]
         assert abs(nll - want) < 0.01, (lang, nll, want)
@@ -192,7 +193,7 @@ def test_held_out_loss_and_specialisation_match_the_card(model, tokenizer):
             seq_len=ev["seq_len"],
             seed=ev["window_seed"],
         )
-        nll, _ = D.mean_nll(model, w)
+        nll, _ = mean_nll(model, w)
         want = ev["loss"][lang]
         # the corpora are rebuilt from Debian / PyPI / CPython at set-up time: allow small drift
         assert abs(nll - want) <= 0.02 * want, (lang, nll, want)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from eval_helpers import load_texts
 
 from reap_modifier.demo import data as D
 
@@ -183,7 +184,7 @@ def test_load_split_roundtrip_and_missing(tmp_path):
     tr = D.load_split(tmp_path, "en", "train")
     assert ev and tr and not ({r["text"] for r in ev} & {r["text"] for r in tr})
     assert D.load_split(tmp_path, "en", "train", limit=3) == tr[:3]
-    assert D.load_texts(tmp_path, "en", "eval") == [r["text"] for r in ev]
+    assert load_texts(tmp_path, "en", "eval") == [r["text"] for r in ev]
     with pytest.raises(FileNotFoundError, match="build_corpora"):
         D.load_split(tmp_path / "nope", "en", "train")
     with pytest.raises(ValueError):

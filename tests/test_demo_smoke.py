@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from eval_helpers import mean_nll
 
 from reap_modifier.demo import data as D
 
@@ -460,7 +461,7 @@ def test_held_out_nll_recomputes(demo_run):
                 seq_len=cfg["eval_seq_len"],
                 seed=cfg["eval_seed"],
             )
-            nll, n = D.mean_nll(model, w)
+            nll, n = mean_nll(model, w)
             got = res["eval"]["quality"][name][lang]
             assert got["tokens"] == n
             assert got["nll"] == pytest.approx(nll, rel=1e-4), (name, lang)

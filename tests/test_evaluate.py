@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from eval_helpers import evaluate_model
 
 from reap_modifier.demo.evaluate import (
     WindowMetrics,
-    evaluate_model,
     evaluate_models,
     greedy_generate,
     longest_repeat_run,

@@ -19,7 +19,7 @@ from tiny_models import reload_class, sample_input_ids
 
 from reap_modifier import REAPPruningModifier
 from reap_modifier.calibration.packed import PackedFormatError, compressed_modules
-from reap_modifier.compat import recipe_keeps_experts_packed
+from reap_modifier.modifier import recipe_keeps_experts_packed
 
 FAMILIES = {"kimi_k3": dict(grouped=True), "qwen3_moe": {}}
 
@@ -149,7 +149,7 @@ def test_checkpoint_loads_in_float32(checkpoints):
     checkpoint in float32 with float32 experts: a plain ``from_pretrained(dtype=float32)``
     fails on its first forward (compressed-tensors dequantizes to bf16). Its logits are the
     bf16-loaded model's computed in float32; ``packed`` keeps the bytes."""
-    from reap_modifier.compat import load_checkpoint_model
+    from reap_modifier.models.loading import load_checkpoint_model
     from reap_modifier.serving.reference import load_reference_model
 
     path = checkpoints["kimi_k3"].path

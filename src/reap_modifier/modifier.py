@@ -18,21 +18,29 @@ from llmcompressor.modifiers.factory import ModifierFactory
 from loguru import logger
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from . import compat
+from . import compat, registries
 from .calibration import distributed
+from .calibration.decompress_hook import decompress_loaded_model
 from .calibration.observer import SaliencyObserver
-from .calibration.packed import PackedCompute, check_module_formats, compressed_modules
+from .calibration.packed import (
+    PackedCompute,
+    check_checkpoint_formats,
+    check_module_formats,
+    compressed_modules,
+)
 from .checkpoint.compressed_save import compressed_source, route_save_through_rewriter
 from .checkpoint.manifest import build_manifest, tool_versions
+from .checkpoint.saved_config import fix_saved_expert_counts
 from .fileio import sha256_file, write_json_atomic
 from .models import MoEArchitecture, find_moe_architecture
+from .models.loading import register_kimi_auto_classes
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
 from .scores.baselines import baseline_saliency, baseline_scores, layer_number, model_fingerprint
 from .scores.keep_count import KeepCount, PlanError, compute_keep_count
 from .scores.plan import PruningPlan
 from .surgery import apply_plan, check_plan_fits
 
-__all__ = ["REAPPruningModifier"]
+__all__ = ["REAPPruningModifier", "recipe_keeps_experts_packed"]
 
 compat.install()
 
@@ -248,7 +256,7 @@ class REAPPruningModifier(Modifier):
         if self.dequantize == "model" or others:
             why = f"the recipe also runs {', '.join(others)}" if others else "dequantize: model"
             logger.info(f"REAP: decompressing the whole model before calibration ({why})")
-            compat.decompress_loaded_model(model)
+            decompress_loaded_model(model)
             return
         if not self.calibrates:
             logger.info("REAP: pruning without calibration: compressed experts stay packed")
@@ -435,7 +443,7 @@ class REAPPruningModifier(Modifier):
             others = self._other_modifiers()
             if route_save_through_rewriter(model, self._plan, source, other_modifiers=others):
                 return
-        compat.repack_linearized_experts(model)
+        registries.run_save_fixups(model)  # e.g. linearized experts repacked (compat)
 
     def _plan_params(self) -> dict:
         return {
@@ -486,8 +494,41 @@ class REAPPruningModifier(Modifier):
         return self._packed
 
 
+def recipe_keeps_experts_packed(recipe) -> bool:
+    """Whether ``recipe`` (anything ``oneshot`` accepts) holds only REAP modifiers and
+    none of them asks for ``dequantize: model``: then nothing but REAP reads the
+    weights and the model can stay packed. Unparseable recipes answer False (upstream
+    reports their errors)."""
+    if recipe is None:
+        return False
+    try:
+        if isinstance(recipe, REAPPruningModifier):
+            modifiers = [recipe]
+        elif isinstance(recipe, list) and all(isinstance(m, REAPPruningModifier) for m in recipe):
+            modifiers = recipe
+        else:
+            from llmcompressor.recipe import Recipe
+
+            modifiers = Recipe.create_instance(recipe).modifiers
+    except Exception:  # noqa: BLE001 - upstream parses (and reports) it again
+        return False
+    return bool(modifiers) and all(
+        isinstance(m, REAPPruningModifier) and m.dequantize != "model" for m in modifiers
+    )
+
+
 def _register() -> None:
     ModifierFactory.register("REAPPruningModifier", REAPPruningModifier)
+    registries.set_packed_load_rule(
+        registries.PackedLoadRule(
+            keeps_packed=recipe_keeps_experts_packed, check_config=check_checkpoint_formats
+        )
+    )
+    registries.add_saved_config_fixup(fix_saved_expert_counts)
+    try:
+        register_kimi_auto_classes()
+    except Exception as exc:  # noqa: BLE001 - K3 support is optional at import
+        logger.debug(f"REAP: Kimi K3 auto-class registration skipped: {exc}")
 
 
 _register()

@@ -263,117 +263,16 @@ def compare_rankings(
     rates, rate_origin = routing_rates(rankings, per_source, layers)
     sources = list(rates)
 
-    ranking_info = []
-    for r in rankings:
-        own = _mass(sal[r.label], masks[r.label])
-        ranking_info.append(
-            {
-                "label": r.label,
-                "path": r.path,
-                "corpus": r.corpus_label(),
-                "kind": r.scores.kind,
-                "saliency": crit[r.label],
-                "tokens": r.scores.source_tokens(),
-                "total_tokens": r.scores.total_tokens(),
-                "retained_mass": _mean(own),
-                "retained_mass_per_layer": own,
-            }
-        )
-
+    ranking_info = [_ranking_info(r, sal[r.label], masks[r.label], crit[r.label]) for r in rankings]
     pairs = []
     for i, j in combinations(range(len(rankings)), 2):
         x, y = rankings[i], rankings[j]
-        mx, my = masks[x.label], masks[y.label]
-        promoted = my & ~mx
-        demoted = mx & ~my
-        flips_layer = promoted.sum(axis=1)
-        flips = int(flips_layer.sum())
-        mass = {
-            "own_earlier": _mean(_mass(sal[x.label], mx)),
-            "own_later": _mean(_mass(sal[y.label], my)),
-            "earlier_saliency_under_later_plan": _mean(_mass(sal[x.label], my)),
-            "later_saliency_under_earlier_plan": _mean(_mass(sal[y.label], mx)),
-            "per_layer_own_earlier": _mass(sal[x.label], mx),
-            "per_layer_own_later": _mass(sal[y.label], my),
-        }
-        added = sorted(y.corpus_parts() - x.corpus_parts())
-        if crit[x.label] != crit[y.label] or KIND_CALIBRATION not in (x.scores.kind, y.scores.kind):
-            change = f"{crit[x.label]} ({x.corpus_label()}) vs {crit[y.label]} ({y.corpus_label()})"
-        elif added:
-            change = f"+{'+'.join(added)}"
-        elif x.corpus_parts() == y.corpus_parts():
-            change = "more of the same corpus"
-        else:
-            change = f"{x.corpus_label()} -> {y.corpus_label()}"
-        pair = {
-            "earlier": x.label,
-            "later": y.label,
-            "consecutive": j == i + 1,
-            "change": change,
-            "added_corpora": added,
-            "tokens_added": _tokens_added(x, y),
-            "flips": flips,
-            "kept_slots": num_layers * k,
-            "pct_of_kept_slots": 100.0 * flips / (num_layers * k),
-            "changed_status": 2 * flips,
-            "all_slots": num_layers * num_experts,
-            "pct_of_all_slots": 100.0 * 2 * flips / (num_layers * num_experts),
-            "flips_per_layer": flips_layer,
-            "pct_per_layer": 100.0 * flips_layer / k,
-            "mass": mass,
-            "promoted": {name: np.nonzero(promoted[li])[0] for li, name in enumerate(layers)},
-            "demoted": {name: np.nonzero(demoted[li])[0] for li, name in enumerate(layers)},
-        }
-        # support in the earlier ranking's own counts
-        support = {}
-        if x.scores.kind == KIND_CALIBRATION:
-            cx = _stack({n: st["count"] for n, st in x.scores.layers.items()}, layers)
-            support["earlier_count"] = {
-                "promoted": _support_summary(cx, promoted),
-                "demoted": _support_summary(cx, demoted),
-                "all": _support_summary(cx, np.ones_like(promoted)),
-            }
-        for src in sources:
-            support[f"rate@{src}"] = {
-                "promoted": _support_summary(rates[src], promoted),
-                "demoted": _support_summary(rates[src], demoted),
-                "all": _support_summary(rates[src], np.ones_like(promoted)),
-            }
-        pair["support"] = support
-        routing = []
-        for a, b in combinations(sources, 2):
-            ratio = rate_ratio(rates[b], rates[a])  # rate_b / rate_a
-            more_b = ratio >= threshold
-            with np.errstate(divide="ignore"):
-                more_a = ratio <= 1.0 / threshold
-            allsel = np.ones_like(promoted)
-            routing.append(
-                {
-                    "a": a,
-                    "b": b,
-                    "threshold": threshold,
-                    "promoted_frac_more_by_b": _frac(more_b, promoted),
-                    "promoted_frac_more_by_a": _frac(more_a, promoted),
-                    "demoted_frac_more_by_b": _frac(more_b, demoted),
-                    "demoted_frac_more_by_a": _frac(more_a, demoted),
-                    "all_frac_more_by_b": _frac(more_b, allsel),
-                    "all_frac_more_by_a": _frac(more_a, allsel),
-                    "promoted_median_log2_ratio": (
-                        float(
-                            np.median(np.log2(ratio[promoted & (ratio > 0) & np.isfinite(ratio)]))
-                        )
-                        if (promoted & (ratio > 0) & np.isfinite(ratio)).any()
-                        else None
-                    ),
-                    "all_median_log2_ratio": (
-                        float(np.median(np.log2(ratio[(ratio > 0) & np.isfinite(ratio)])))
-                        if ((ratio > 0) & np.isfinite(ratio)).any()
-                        else None
-                    ),
-                    "unrouted_by_both": int(np.isnan(ratio).sum()),
-                }
-            )
-        pair["routing"] = routing
+        pair = _compare_pair(x, y, sal, masks, crit, layers, k, num_experts)
+        pair["consecutive"] = j == i + 1
+        promoted = masks[y.label] & ~masks[x.label]
+        demoted = masks[x.label] & ~masks[y.label]
+        pair["support"] = _pair_support(x, promoted, demoted, rates, layers)
+        pair["routing"] = _pair_routing(rates, promoted, demoted, threshold)
         pairs.append(pair)
 
     consecutive = [p for p in pairs if p["consecutive"]]
@@ -398,3 +297,128 @@ def compare_rankings(
         "routing_sources": {s: rate_origin[s] for s in sources},
         "pairs": pairs,
     }
+
+
+def _ranking_info(r: Ranking, sal: np.ndarray, mask: np.ndarray, criterion: str) -> dict:
+    """One ranking's row: its corpus, tokens and the saliency mass its own plan keeps."""
+    own = _mass(sal, mask)
+    return {
+        "label": r.label,
+        "path": r.path,
+        "corpus": r.corpus_label(),
+        "kind": r.scores.kind,
+        "saliency": criterion,
+        "tokens": r.scores.source_tokens(),
+        "total_tokens": r.scores.total_tokens(),
+        "retained_mass": _mean(own),
+        "retained_mass_per_layer": own,
+    }
+
+
+def _pair_change(x: Ranking, y: Ranking, crit: dict[str, str]) -> tuple[str, list[str]]:
+    """What differs from ``x`` to ``y`` (criterion, corpora added), in words; and the corpora added."""
+    added = sorted(y.corpus_parts() - x.corpus_parts())
+    if crit[x.label] != crit[y.label] or KIND_CALIBRATION not in (x.scores.kind, y.scores.kind):
+        change = f"{crit[x.label]} ({x.corpus_label()}) vs {crit[y.label]} ({y.corpus_label()})"
+    elif added:
+        change = f"+{'+'.join(added)}"
+    elif x.corpus_parts() == y.corpus_parts():
+        change = "more of the same corpus"
+    else:
+        change = f"{x.corpus_label()} -> {y.corpus_label()}"
+    return change, added
+
+
+def _compare_pair(x, y, sal, masks, crit, layers, k: int, num_experts: int) -> dict:
+    """Flips and saliency mass between two rankings' plans; the promoted / demoted experts."""
+    num_layers = len(layers)
+    mx, my = masks[x.label], masks[y.label]
+    promoted = my & ~mx
+    demoted = mx & ~my
+    flips_layer = promoted.sum(axis=1)
+    flips = int(flips_layer.sum())
+    mass = {
+        "own_earlier": _mean(_mass(sal[x.label], mx)),
+        "own_later": _mean(_mass(sal[y.label], my)),
+        "earlier_saliency_under_later_plan": _mean(_mass(sal[x.label], my)),
+        "later_saliency_under_earlier_plan": _mean(_mass(sal[y.label], mx)),
+        "per_layer_own_earlier": _mass(sal[x.label], mx),
+        "per_layer_own_later": _mass(sal[y.label], my),
+    }
+    change, added = _pair_change(x, y, crit)
+    return {
+        "earlier": x.label,
+        "later": y.label,
+        "consecutive": False,
+        "change": change,
+        "added_corpora": added,
+        "tokens_added": _tokens_added(x, y),
+        "flips": flips,
+        "kept_slots": num_layers * k,
+        "pct_of_kept_slots": 100.0 * flips / (num_layers * k),
+        "changed_status": 2 * flips,
+        "all_slots": num_layers * num_experts,
+        "pct_of_all_slots": 100.0 * 2 * flips / (num_layers * num_experts),
+        "flips_per_layer": flips_layer,
+        "pct_per_layer": 100.0 * flips_layer / k,
+        "mass": mass,
+        "promoted": {name: np.nonzero(promoted[li])[0] for li, name in enumerate(layers)},
+        "demoted": {name: np.nonzero(demoted[li])[0] for li, name in enumerate(layers)},
+    }
+
+
+def _pair_support(x: Ranking, promoted, demoted, rates: dict, layers: list[str]) -> dict:
+    """Support of the promoted / demoted / all experts: in the earlier ranking's own counts
+    (calibration files) and in each source's routing rate."""
+    support = {}
+    if x.scores.kind == KIND_CALIBRATION:
+        cx = _stack({n: st["count"] for n, st in x.scores.layers.items()}, layers)
+        support["earlier_count"] = {
+            "promoted": _support_summary(cx, promoted),
+            "demoted": _support_summary(cx, demoted),
+            "all": _support_summary(cx, np.ones_like(promoted)),
+        }
+    for src in rates:
+        support[f"rate@{src}"] = {
+            "promoted": _support_summary(rates[src], promoted),
+            "demoted": _support_summary(rates[src], demoted),
+            "all": _support_summary(rates[src], np.ones_like(promoted)),
+        }
+    return support
+
+
+def _pair_routing(rates: dict, promoted, demoted, threshold: float) -> list[dict]:
+    """Per pair of sources (a, b): the share of promoted / demoted / all experts that b routes
+    ``threshold`` x more often per token than a (and the reverse)."""
+    routing = []
+    for a, b in combinations(list(rates), 2):
+        ratio = rate_ratio(rates[b], rates[a])  # rate_b / rate_a
+        more_b = ratio >= threshold
+        with np.errstate(divide="ignore"):
+            more_a = ratio <= 1.0 / threshold
+        allsel = np.ones_like(promoted)
+        routing.append(
+            {
+                "a": a,
+                "b": b,
+                "threshold": threshold,
+                "promoted_frac_more_by_b": _frac(more_b, promoted),
+                "promoted_frac_more_by_a": _frac(more_a, promoted),
+                "demoted_frac_more_by_b": _frac(more_b, demoted),
+                "demoted_frac_more_by_a": _frac(more_a, demoted),
+                "all_frac_more_by_b": _frac(more_b, allsel),
+                "all_frac_more_by_a": _frac(more_a, allsel),
+                "promoted_median_log2_ratio": (
+                    float(np.median(np.log2(ratio[promoted & (ratio > 0) & np.isfinite(ratio)])))
+                    if (promoted & (ratio > 0) & np.isfinite(ratio)).any()
+                    else None
+                ),
+                "all_median_log2_ratio": (
+                    float(np.median(np.log2(ratio[(ratio > 0) & np.isfinite(ratio)])))
+                    if ((ratio > 0) & np.isfinite(ratio)).any()
+                    else None
+                ),
+                "unrouted_by_both": int(np.isnan(ratio).sum()),
+            }
+        )
+    return routing

@@ -72,6 +72,8 @@ def write_tiers_report(report: dict, out_dir: str | os.PathLike) -> dict[str, Pa
 
 
 def compare_markdown(result: dict) -> str:
+    """``compare.md`` from a :func:`compare_rankings` result. (Long because it writes one
+    markdown document top to bottom, table after table.)"""
     k, L, E = result["keep"], result["num_layers"], result["num_experts"]
     out = [
         "# Ranking comparison",

@@ -275,7 +275,8 @@ def tiers_report(
     window: int | None = None,
     threshold: float = KNEE_THRESHOLD,
 ) -> dict:
-    """Everything ``reap tiers`` prints and writes, as a JSON-ready dict.
+    """Everything ``reap tiers`` prints and writes, as a JSON-ready dict. (Long because it is
+    one document: the tiers, the cost between them and the knee, all read off one mass curve.)
 
     :param scores: a scores file (its metadata gives groups) or a saliency dict
     :param keeps: keep counts of the tiers; ``sparsities`` are converted with the

@@ -30,7 +30,7 @@ token count. A forward pre-hook on every MoE block looks up the current batch's
 - the model's own call (a forward pre-hook on the top module: the basic pipeline,
   or any ``model(input_ids, attention_mask=...)``), or
 - the sequential pipeline's batch cache (llm-compressor calls decoder-layer subgraphs
-  and never the model; ``compat`` hands us each cached batch) indexed by
+  and never the model; ``compat`` hands us each cached batch through ``registries``) indexed by
   ``state.current_batch_idx``, the index llm-compressor sets before every
   calibration forward (as it does for AWQ's loss masks).
 
@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from .. import compat
+from .. import registries
 from ..models import MoEArchitecture, MoELayer
 from ..scores import ExpertScores
 from .accumulator import LayerAccumulator, norms64
@@ -102,7 +102,7 @@ class SaliencyObserver:
 
     def attach(self) -> None:
         self._cached_batches = []
-        compat.add_calibration_batch_listener(self._on_cached_batches)
+        registries.add_calibration_batch_listener(self._on_cached_batches)
         if self._model is not None:
             self._attach_model(self._model)
         for layer in self.arch.layers:
@@ -116,7 +116,7 @@ class SaliencyObserver:
 
     def detach(self) -> None:
         """Stop listening to the pipeline (hooks are removed by their owner)."""
-        compat.remove_calibration_batch_listener(self._on_cached_batches)
+        registries.remove_calibration_batch_listener(self._on_cached_batches)
         self._cached_batches = []
         self._call_tokens = None
 

@@ -36,7 +36,7 @@ import torch
 from loguru import logger
 from torch import nn
 
-from .. import compat
+from .decompress_hook import pause_decompress_hook
 
 __all__ = [
     "Granularity",
@@ -232,19 +232,6 @@ class PackedCompute:
     def num_expert_modules(self) -> int:
         return len(self._layer_of)
 
-    def packed_bytes(self) -> int:
-        """Bytes of the packed parameters of every compressed module."""
-        from compressed_tensors.offload import disable_onloading
-
-        total = 0
-        with disable_onloading():
-            for module in self._compressor:
-                total += sum(p.nbytes for p in module._parameters.values() if p is not None)
-        return total
-
-    # -- dense weights ----------------------------------------------------------------
-
-    @torch.no_grad()
     def _materialise(
         self, module: nn.Module, *, expert: bool = True, dtype: torch.dtype | None = None
     ) -> None:
@@ -301,7 +288,7 @@ class PackedCompute:
         (non-expert) compressed modules, and hook the experts."""
         if self.attached:
             return
-        self._resume_decompress = compat.pause_decompress_hook(self.model)
+        self._resume_decompress = pause_decompress_hook(self.model)
         for _, module in self.resident:
             self._materialise(module, expert=False)
         for module in self._layer_of:

@@ -6,7 +6,9 @@ finds its MoE blocks; :mod:`.binding` maps a plan onto them; :mod:`.converter` i
 compressed-tensors ``Converter`` that applies it; :mod:`.byte_copy` streams kept byte
 ranges; :mod:`.source_hashes` hashes the source alongside; :mod:`.upstream` holds the
 workarounds for compressed-tensors' ``convert_checkpoint``; :mod:`.destination` claims
-the output and makes it atomic; :mod:`.rewrite` is the entry point.
+the output and makes it atomic; :mod:`.scores_cut` cuts a plan from a scores file against the
+checkpoint; :mod:`.rewrite` is the entry point (``prepare_rewrite`` checks, ``RewriteJob.run``
+writes).
 (:mod:`.pause_points` is a test hook: it stops a rewrite at a named point.)
 """
 
@@ -29,8 +31,15 @@ from .layout import (
     find_count_keys,
     inspect_checkpoint,
 )
-from .rewrite import DEFAULT_METHOD, rewrite_checkpoint
+from .rewrite import (
+    DEFAULT_METHOD,
+    RewriteJob,
+    inspect_source,
+    prepare_rewrite,
+    rewrite_checkpoint,
+)
 from .safetensors_header import ShardHeader, TensorEntry, read_safetensors_header
+from .scores_cut import ScoresCut, build_plan_from_scores
 from .source_hashes import SourceHasher, default_hash_cache
 
 __all__ = [
@@ -43,18 +52,23 @@ __all__ = [
     "ExpertPlanPruner",
     "ExpertRemap",
     "MoEBlock",
+    "RewriteJob",
     "RewriteSpec",
+    "ScoresCut",
     "ShardHeader",
     "SourceHasher",
     "TensorEntry",
     "bind_plan",
+    "build_plan_from_scores",
     "check_destination",
     "check_packed_scales",
     "default_hash_cache",
     "default_output_checksum",
     "find_count_keys",
     "inspect_checkpoint",
+    "inspect_source",
     "new_hasher",
+    "prepare_rewrite",
     "read_safetensors_header",
     "renumber_module_names",
     "resolve_block",

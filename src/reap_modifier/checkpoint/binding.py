@@ -177,7 +177,9 @@ def bind_plan(
     Raises :class:`CheckpointError` / :class:`PlanError` before any byte is written:
     unmatched or ambiguous layers, uncovered MoE blocks (per ``extra_layers``), expert
     counts that differ from the plan, missing count keys, a keep count below top-k,
-    and, for group-limited routers, kept experts not spread equally over groups.
+    and, for group-limited routers, kept experts not spread equally over groups. (Long
+    because those checks run here one after the other, in the order their errors should be
+    reported.)
     """
     plan.validate()
     if not layout.blocks:

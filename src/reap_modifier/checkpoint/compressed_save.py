@@ -60,8 +60,9 @@ def route_save_through_rewriter(
         return False
 
     def save_pretrained(save_directory, *args, **kwargs):
-        from ..calibration.distributed import is_source_process
-        from .rewrite import rewrite_checkpoint
+        from compressed_tensors.distributed import is_source_process
+
+        from .rewrite import prepare_rewrite
 
         if not is_source_process():  # one writer, as llm-compressor's own save
             return
@@ -70,14 +71,14 @@ def route_save_through_rewriter(
             f"REAP: writing {save_directory} by the bit-exact checkpoint rewrite of "
             f"{source} (kept experts copied verbatim, format unchanged)"
         )
-        rewrite_checkpoint(
+        prepare_rewrite(
             source,
             plan,
             save_directory,
             force=True,  # like save_pretrained: the caller chose this directory
             method="REAP modifier (oneshot) -> bit-exact checkpoint rewrite",
             manifest_extra={"saliency": plan.saliency, "plan_parameters": plan.params},
-        )
+        ).run()
 
     save_pretrained._reap_rewriter = True
     model.save_pretrained = save_pretrained

@@ -28,30 +28,50 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from loguru import logger
 
 from ..fileio import sha256_file, write_json_atomic
 from ..scores.plan import PruningPlan
-from .binding import ExtraLayers, bind_plan
+from .binding import ExtraLayers, RewriteSpec, bind_plan
 from .converter import ExpertPlanPruner
 from .destination import DestinationClaim, check_destination, swap_into_place, work_path
 from .errors import CheckpointError, DestinationError
-from .layout import inspect_checkpoint
+from .layout import CheckpointLayout, inspect_checkpoint
 from .manifest import MANIFEST_NAME, build_manifest
 from .pause_points import pause_point
+from .scores_cut import ScoresCut
 from .source_hashes import SourceHasher, default_hash_cache
 from .upstream import convert
 
-__all__ = ["DEFAULT_METHOD", "rewrite_checkpoint"]
+__all__ = [
+    "DEFAULT_METHOD",
+    "RewriteJob",
+    "inspect_source",
+    "prepare_rewrite",
+    "rewrite_checkpoint",
+]
 
 DEFAULT_METHOD = "REAP (checkpoint rewrite)"
 
 
-def rewrite_checkpoint(
+def inspect_source(src: str | os.PathLike) -> CheckpointLayout:
+    """The source checkpoint's layout; refuses safetensors files the weight index does
+    not name (they would be neither pruned nor copied consistently)."""
+    layout = inspect_checkpoint(src)
+    if layout.unindexed_files:
+        raise CheckpointError(
+            f"{src}: safetensors file(s) {layout.unindexed_files} are not in the weight "
+            "index; remove them or add them to the index"
+        )
+    return layout
+
+
+def prepare_rewrite(
     src: str | os.PathLike,
-    plan: PruningPlan,
+    plan: PruningPlan | ScoresCut,
     dst: str | os.PathLike,
     *,
     scores_path: str | os.PathLike | None = None,
@@ -61,115 +81,176 @@ def rewrite_checkpoint(
     progress: bool = True,
     hash_source: bool = True,
     hash_cache: str | os.PathLike | None | bool = None,
-    hash_workers: int | None = None,
     output_checksum: str | None = None,
     manifest_extra: dict | None = None,
-) -> Path:
-    """Write ``dst``: the checkpoint at ``src`` with ``plan`` applied, bit-exact.
+) -> RewriteJob:
+    """Check everything that can be checked before any byte is written, once: the source
+    (:func:`inspect_source`), the destination (:func:`check_destination`), the plan (a
+    :class:`ScoresCut` is cut here, against the source's layout) and its binding to the
+    checkpoint (:func:`bind_plan`), the scores file. Returns the job; nothing is written.
 
-    Everything that can be checked is checked before any byte is written (see
-    :func:`bind_plan`, :func:`check_destination`).  The run claims ``dst`` (one run
-    at a time; leftovers of killed runs are removed, see :mod:`.destination`), builds
-    the output in a temporary directory next to it and swaps it into place when
-    complete; on any error (or interrupt) the temporary directory is removed and
-    ``dst`` is left as it was.  ``src`` is only read.  ``dst/pruning_manifest.json`` records the plan, the
-    sha256 of every source shard (unless ``hash_source=False``) and of the scores
-    file, the layer map, and the size and checksum of every output shard.
-
-    :param plan: kept original ids per MoE layer (model module paths)
+    :param plan: kept original ids per MoE layer (model module paths), or the cut that
+        makes them from a scores file
     :param scores_path: the scores file the plan was cut from (hashed into the manifest)
     :param force: replace an existing non-empty ``dst`` (never ``src``)
     :param method: recorded in the manifest
     :param extra_layers: what to do with MoE blocks the plan does not name:
         ``"error"`` (default), ``"like-last"`` or ``{checkpoint_prefix: plan_layer}``
+    :param progress: a progress bar over the bytes copied and hashed
     :param hash_source: sha256 every source shard (in a pool beside the writer)
     :param hash_cache: cache file for source shard hashes, keyed by file identity;
         ``None`` = :func:`default_hash_cache`, ``False`` = no cache
-    :param hash_workers: threads hashing source shards (default ``min(8, cpus - 1)``)
     :param output_checksum: checksum recorded per output shard: ``"xxh3_128"``
         (default when ``xxhash`` is installed) or ``"sha256"``
     :param manifest_extra: merged into the manifest (e.g. the caller's parameters)
-    :returns: the destination path
     """
     src = Path(src)
-    layout = inspect_checkpoint(src)
-    if layout.unindexed_files:
-        raise CheckpointError(
-            f"{src}: safetensors file(s) {layout.unindexed_files} are not referenced by "
-            "the weight index; remove them or add them to the index"
-        )
-    spec = bind_plan(layout, plan, extra_layers=extra_layers)
+    layout = inspect_source(src)
     dst = check_destination(src, dst, force=force)
+    if isinstance(plan, ScoresCut):
+        plan = plan.plan_for(layout)
+    spec = bind_plan(layout, plan, extra_layers=extra_layers)
     scores = None
     if scores_path is not None:
         scores_path = Path(scores_path)
         if not scores_path.is_file():
             raise CheckpointError(f"scores file {scores_path} does not exist")
         scores = {"path": str(scores_path.resolve()), "sha256": sha256_file(scores_path)}
-
     cache = (
         default_hash_cache()
         if hash_cache is None or hash_cache is True
         else (Path(hash_cache) if hash_cache else None)
     )
-    hasher = None
-    if hash_source:
-        hasher = SourceHasher(
-            {shard: layout.path / shard for shard in layout.shards},
-            workers=hash_workers,
-            cache=cache,
-        )
-    bar = None
-    claim = DestinationClaim(dst).acquire()
-    tmp = work_path(dst, "tmp")
-    converter = None
-    try:
-        check_destination(src, dst, force=force)  # again: another run may have finished meanwhile
-        claim.clean_leftovers()
-        try:
-            os.mkdir(tmp)
-        except OSError as exc:
-            raise DestinationError(
-                f"cannot create {tmp} ({exc.strerror}); choose an --out in a folder you can write"
-            ) from exc
-        if hasher is not None:
-            hasher.prepare()
-        if progress:
-            from tqdm.auto import tqdm
+    return RewriteJob(
+        src=src,
+        dst=dst,
+        plan=plan,
+        layout=layout,
+        spec=spec,
+        scores=scores,
+        force=force,
+        method=method,
+        progress=progress,
+        hash_source=hash_source,
+        hash_cache=cache,
+        output_checksum=output_checksum,
+        manifest_extra=manifest_extra,
+    )
 
-            kept = sum(
-                r[1] - r[0]
-                for shard in layout.shards
-                for _, _, ranges, _ in spec.output_plan(
-                    shard, [n for n, s in layout.weight_map.items() if s == shard]
-                )
-                for r in ranges
-            )
-            total = kept + (hasher.bytes_to_hash if hasher is not None else 0)
-            bar = tqdm(
-                total=total,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                desc="reap prune",
-                dynamic_ncols=True,
-            )
-            if hasher is not None:
-                hasher.progress = bar.update
-        if hasher is not None:
-            hasher.start()
-        converter = ExpertPlanPruner(
-            spec, progress=bar.update if bar else None, output_checksum=output_checksum
+
+@dataclass
+class RewriteJob:
+    """A checked rewrite of ``src`` into ``dst`` (made by :func:`prepare_rewrite`)."""
+
+    src: Path
+    dst: Path
+    plan: PruningPlan
+    layout: CheckpointLayout
+    spec: RewriteSpec
+    scores: dict | None
+    force: bool
+    method: str
+    progress: bool
+    hash_source: bool
+    hash_cache: Path | None
+    output_checksum: str | None
+    manifest_extra: dict | None
+
+    def summary(self) -> str:
+        """One line: what will be written."""
+        extra = self.spec.extra
+        cut_like = sorted({v["kept_from"] for v in extra.values()})
+        return (
+            f"pruning {self.src} -> {self.dst}: {self.plan.num_experts} -> {self.plan.num_kept} "
+            f"experts in {len(self.spec.block_kept)} MoE layers"
+            + (f" ({len(extra)} cut like {cut_like})" if extra else "")
         )
-        convert(layout.path, tmp, converter)
-        source_shards = hasher.result() if hasher is not None else None
-        if bar is not None:
-            bar.close()
-        written = {p.relative_to(tmp).as_posix() for p in tmp.rglob("*.safetensors")}
-        if written != set(converter.output_bytes):
-            raise CheckpointError(
-                f"internal error: shards written {sorted(written)} != recorded {sorted(converter.output_bytes)}"
+
+    def run(self) -> Path:
+        """Write ``dst``: the source with the plan applied, bit-exact.
+
+        The run claims ``dst`` (one run at a time; leftovers of killed runs are removed,
+        see :mod:`.destination`), builds the output in a temporary directory next to it
+        and swaps it into place when complete; on any error (or interrupt) the temporary
+        directory is removed and ``dst`` is left as it was. ``src`` is only read.
+        ``dst/pruning_manifest.json`` records the plan, the sha256 of every source shard
+        (unless ``hash_source=False``) and of the scores file, the layer map, and the size
+        and checksum of every output shard. Returns the destination path.
+        """
+        hasher = None
+        if self.hash_source:
+            layout = self.layout
+            hasher = SourceHasher(
+                {shard: layout.path / shard for shard in layout.shards}, cache=self.hash_cache
             )
+        bar = None
+        tmp = work_path(self.dst, "tmp")
+        with DestinationClaim(self.dst) as claim:
+            try:
+                # again: another run may have finished meanwhile
+                check_destination(self.src, self.dst, force=self.force)
+                claim.clean_leftovers()
+                _make_work_dir(tmp)
+                if hasher is not None:
+                    hasher.prepare()
+                if self.progress:
+                    bar = self._progress_bar(hasher)
+                if hasher is not None:
+                    hasher.start()
+                converter = ExpertPlanPruner(
+                    self.spec,
+                    progress=bar.update if bar else None,
+                    output_checksum=self.output_checksum,
+                )
+                convert(self.layout.path, tmp, converter)
+                source_shards = hasher.result() if hasher is not None else None
+                if bar is not None:
+                    bar.close()
+                _check_written(tmp, converter)
+                manifest = self._manifest(converter, source_shards, hasher)
+                write_json_atomic(tmp / MANIFEST_NAME, manifest)
+                pause_point("rename")
+                swap_into_place(tmp, self.dst)
+            except BaseException:
+                if hasher is not None:
+                    hasher.cancel()
+                if bar is not None:
+                    bar.close()
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        logger.info(
+            f"REAP: wrote {self.dst} ({self.plan.num_experts} -> {self.plan.num_kept} experts "
+            f"in {len(self.spec.block_kept)} MoE layers; {converter.counts})"
+        )
+        return self.dst
+
+    def _progress_bar(self, hasher: SourceHasher | None):
+        from tqdm.auto import tqdm
+
+        layout = self.layout
+        kept = sum(
+            r[1] - r[0]
+            for shard in layout.shards
+            for _, _, ranges, _ in self.spec.output_plan(
+                shard, [n for n, s in layout.weight_map.items() if s == shard]
+            )
+            for r in ranges
+        )
+        total = kept + (hasher.bytes_to_hash if hasher is not None else 0)
+        bar = tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc="reap prune",
+            dynamic_ncols=True,
+        )
+        if hasher is not None:
+            hasher.progress = bar.update
+        return bar
+
+    def _manifest(self, converter: ExpertPlanPruner, source_shards, hasher) -> dict:
+        layout, spec = self.layout, self.spec
         extra = {
             "checkpoint": {
                 "source_format": layout.quantization_formats,
@@ -190,36 +271,45 @@ def rewrite_checkpoint(
                 "quantization_config_names": dict(converter.quant_stats),
             }
         }
-        if manifest_extra:
-            extra.update(manifest_extra)
+        if self.manifest_extra:
+            extra.update(self.manifest_extra)
         source = {"path": str(layout.path.resolve()), "shards": source_shards}
         if hasher is not None:
             source["sha256_from_cache"] = sorted(hasher.cached)
-        manifest = build_manifest(
-            plan,
-            method=method,
+        return build_manifest(
+            self.plan,
+            method=self.method,
             model_class=layout.model_class,
             count_key=spec.count_keys[0]
             if len(spec.count_keys) == 1
             else ",".join(spec.count_keys),
             source=source,
-            scores=scores,
+            scores=self.scores,
             extra=extra,
         )
-        write_json_atomic(tmp / MANIFEST_NAME, manifest)
-        pause_point("rename")
-        swap_into_place(tmp, dst)
-    except BaseException:
-        if hasher is not None:
-            hasher.cancel()
-        if bar is not None:
-            bar.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        claim.release()
-    logger.info(
-        f"REAP: wrote {dst} ({plan.num_experts} -> {plan.num_kept} experts in "
-        f"{len(spec.block_kept)} MoE layers; {converter.counts})"
-    )
-    return dst
+
+
+def _make_work_dir(tmp: Path) -> None:
+    try:
+        os.mkdir(tmp)
+    except OSError as exc:
+        raise DestinationError(
+            f"cannot create {tmp} ({exc.strerror}); choose an --out in a folder you can write"
+        ) from exc
+
+
+def _check_written(tmp: Path, converter: ExpertPlanPruner) -> None:
+    written = {p.relative_to(tmp).as_posix() for p in tmp.rglob("*.safetensors")}
+    if written != set(converter.output_bytes):
+        raise CheckpointError(
+            f"internal error: shards written {sorted(written)} != recorded {sorted(converter.output_bytes)}"
+        )
+
+
+def rewrite_checkpoint(
+    src: str | os.PathLike, plan: PruningPlan | ScoresCut, dst: str | os.PathLike, **options
+) -> Path:
+    """Write ``dst``: the checkpoint at ``src`` with ``plan`` applied, bit-exact;
+    ``prepare_rewrite(src, plan, dst, **options).run()`` (the options are
+    :func:`prepare_rewrite`'s). Returns the destination path."""
+    return prepare_rewrite(src, plan, dst, **options).run()

@@ -69,10 +69,6 @@ class ShardHeader:
     metadata: dict | None
     entries: dict[str, TensorEntry]
 
-    @property
-    def data_start(self) -> int:
-        return 8 + self.header_len
-
 
 def read_safetensors_header(
     path: str | os.PathLike, shard: str | None = None, *, strict: bool = True

@@ -203,7 +203,11 @@ def verify_checkpoint(
     progress: bool = False,
 ) -> VerifyReport:
     """Verify a (pruned) checkpoint; returns a :class:`VerifyReport` (``.ok``,
-    ``.failures``; ``.raise_if_failed()`` raises :class:`VerifyError`)."""
+    ``.failures``; ``.raise_if_failed()`` raises :class:`VerifyError`).
+
+    Stages: the files' structure, the expert counts, each MoE block's experts and the
+    names in ``quantization_config``, the manifest, the output shards' checksums, and with
+    ``source`` every tensor's sha256 against the bytes it came from."""
     dst = Path(dst)
     report = VerifyReport(path=str(dst), source=str(source) if source is not None else None)
     if work_dir_kind(dst) is not None:
@@ -219,15 +223,43 @@ def verify_checkpoint(
     report.info["moe_layers"] = len(blocks)
     report.info["tensors"] = len(entries)
     report.info["shards"] = len(shards)
-    fmts = []
-    for qc in quant_configs(config):
-        if qc.get("format"):
-            fmts.append(qc["format"])
-    report.info["quantization_format"] = fmts
-
-    # -- counts (the keys the rewriter set, when the manifest says) ---------------
-    counts = find_count_keys(config)
+    report.info["quantization_format"] = [
+        qc["format"] for qc in quant_configs(config) if qc.get("format")
+    ]
     mpath = dst / MANIFEST_NAME
+    E = _check_counts(config, mpath, report)
+    if not blocks:
+        report.fail("no MoE layer (no '.experts.' tensors) in the checkpoint")
+    for problem in check_packed_scales(entries, config):
+        report.fail(problem)
+    if E is not None:
+        _check_experts(config, blocks, entries, E, report)
+    manifest = _read_manifest(mpath, source, report)
+    block_kept, out_hashes_expected = None, {}
+    if manifest is not None:
+        block_kept, out_hashes_expected = _check_manifest_or_report(
+            manifest, report, blocks, E, shards
+        )
+    dst_tensor_sha = _hash_output_shards(shards, out_hashes_expected, source, report, progress)
+    if source is not None and block_kept is not None:
+        try:
+            _compare_with_source(
+                Path(source), manifest, block_kept, entries, dst_tensor_sha, report, progress
+            )
+        except CheckpointError as exc:
+            report.fail(f"source: {exc}")
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:
+            report.fail(
+                f"{MANIFEST_NAME} is malformed ({type(exc).__name__}: {exc}); cannot compare with the source"
+            )
+    report.info["checked_against_source"] = source is not None and block_kept is not None
+    return report
+
+
+def _check_counts(config: dict, mpath: Path, report: VerifyReport) -> int | None:
+    """The config's expert count (the keys the rewriter set, when the manifest says);
+    ``None`` when missing or the keys disagree."""
+    counts = find_count_keys(config)
     try:
         recorded = (
             (json.loads(mpath.read_text()).get("checkpoint") or {}).get("count_keys")
@@ -240,54 +272,56 @@ def verify_checkpoint(
         counts = {k: v for k, v in counts.items() if k in recorded}
         for k in sorted(set(recorded) - set(counts)):
             report.fail(f"config.json lacks the expert-count key {k} (set by the rewriter)")
-    E = None
     if not counts:
         report.fail(
             "config.json has no expert-count key (num_experts / num_local_experts / n_routed_experts / moe_num_experts)"
         )
-    else:
-        values = set(counts.values())
-        if len(values) > 1:
-            report.fail(f"config.json expert-count keys disagree: {counts}")
-        E = min(values) if len(values) == 1 else None
-        report.info["num_experts"] = E
-    if not blocks:
-        report.fail("no MoE layer (no '.experts.' tensors) in the checkpoint")
-    for problem in check_packed_scales(entries, config):
-        report.fail(problem)
-    if E is not None:
-        for block in blocks.values():
-            for problem in check_block(block, entries, E):
-                report.fail(problem)
-        for qc in quant_configs(config):
-            for key, names in (("ignore", qc.get("ignore")),) + tuple(
-                (f"config_groups.{g}.targets", grp.get("targets"))
-                for g, grp in (qc.get("config_groups") or {}).items()
-                if isinstance(grp, dict)
-            ):
-                for item in names or []:
-                    m = (
-                        MODULE_EXPERT_RE.match(item)
-                        if isinstance(item, str) and not item.startswith("re:")
-                        else None
-                    )
-                    if not m:
-                        continue
-                    try:
-                        resolve_block(m["block"], blocks)
-                    except CheckpointError:
-                        continue
-                    if int(m["idx"]) >= E:
-                        report.fail(f"quantization_config.{key} names {item}, expert index >= {E}")
-        top_k = None
-        for c in (config, config.get("text_config") or {}):
-            for k in ("num_experts_per_tok", "num_experts_per_token", "top_k_experts"):
-                if isinstance(c, dict) and c.get(k) is not None and top_k is None:
-                    top_k = int(c[k])
-        if top_k is not None and top_k > E:
-            report.fail(f"top-k {top_k} exceeds the expert count {E}")
+        return None
+    values = set(counts.values())
+    if len(values) > 1:
+        report.fail(f"config.json expert-count keys disagree: {counts}")
+    E = min(values) if len(values) == 1 else None
+    report.info["num_experts"] = E
+    return E
 
-    # -- manifest ------------------------------------------------------------------
+
+def _check_experts(config: dict, blocks, entries, E: int, report: VerifyReport) -> None:
+    """Every MoE block holds experts ``0..E-1`` and router rows for ``E``; per-expert names in
+    ``quantization_config`` stay below ``E``; top-k does not exceed ``E``."""
+    for block in blocks.values():
+        for problem in check_block(block, entries, E):
+            report.fail(problem)
+    for qc in quant_configs(config):
+        for key, names in (("ignore", qc.get("ignore")),) + tuple(
+            (f"config_groups.{g}.targets", grp.get("targets"))
+            for g, grp in (qc.get("config_groups") or {}).items()
+            if isinstance(grp, dict)
+        ):
+            for item in names or []:
+                m = (
+                    MODULE_EXPERT_RE.match(item)
+                    if isinstance(item, str) and not item.startswith("re:")
+                    else None
+                )
+                if not m:
+                    continue
+                try:
+                    resolve_block(m["block"], blocks)
+                except CheckpointError:
+                    continue
+                if int(m["idx"]) >= E:
+                    report.fail(f"quantization_config.{key} names {item}, expert index >= {E}")
+    top_k = None
+    for c in (config, config.get("text_config") or {}):
+        for k in ("num_experts_per_tok", "num_experts_per_token", "top_k_experts"):
+            if isinstance(c, dict) and c.get(k) is not None and top_k is None:
+                top_k = int(c[k])
+    if top_k is not None and top_k > E:
+        report.fail(f"top-k {top_k} exceeds the expert count {E}")
+
+
+def _read_manifest(mpath: Path, source, report: VerifyReport) -> dict | None:
+    """The manifest as a dict; a missing one fails only when comparing with a source."""
     manifest = None
     if mpath.is_file():
         try:
@@ -299,25 +333,32 @@ def verify_checkpoint(
             f"no {MANIFEST_NAME}: structural checks only"
             + (" (needed to compare with --source)" if source is not None else "")
         )
-    block_kept = None
-    out_hashes_expected: dict[str, tuple[str, str]] = {}
     if manifest is not None and not isinstance(manifest, dict):
         report.fail(f"{MANIFEST_NAME} is not a JSON object")
         manifest = None
-    if manifest is not None:
-        try:
-            block_kept = _check_manifest(manifest, report, blocks, E, shards, out_hashes_expected)
-        except CheckpointError:
-            raise
-        except (TypeError, ValueError, AttributeError, KeyError) as exc:
-            # hand-edited or damaged: a failure to report, never a crash
-            report.fail(
-                f"{MANIFEST_NAME} is malformed ({type(exc).__name__}: {exc}); checkpoint.block_kept, "
-                "layers and output_shards must be as reap prune writes them"
-            )
-            block_kept, out_hashes_expected = None, {}
+    return manifest
 
-    # -- output shard hashes (+ per-tensor hashes when comparing with the source) ------
+
+def _check_manifest_or_report(manifest: dict, report: VerifyReport, blocks, E, shards):
+    """:func:`_check_manifest`, with a hand-edited or damaged manifest reported as a failure,
+    never a crash; returns ``(block_kept, expected output shard checksums)``."""
+    out_hashes_expected: dict[str, tuple[str, str]] = {}
+    try:
+        block_kept = _check_manifest(manifest, report, blocks, E, shards, out_hashes_expected)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:
+        report.fail(
+            f"{MANIFEST_NAME} is malformed ({type(exc).__name__}: {exc}); checkpoint.block_kept, "
+            "layers and output_shards must be as reap prune writes them"
+        )
+        return None, {}
+    return block_kept, out_hashes_expected
+
+
+def _hash_output_shards(shards, out_hashes_expected, source, report, progress) -> dict[str, str]:
+    """Each output shard's checksum against the manifest's; with ``source``, also every
+    tensor's sha256 (returned, by tensor name)."""
     bar = _bar(progress, sum(h.file_size for h in shards.values()), "verify output")
     dst_tensor_sha: dict[str, str] = {}
     for shard, header in shards.items():
@@ -342,20 +383,7 @@ def verify_checkpoint(
         dst_tensor_sha.update(per)
     if bar:
         bar.close()
-
-    if source is not None and block_kept is not None:
-        try:
-            _compare_with_source(
-                Path(source), manifest, block_kept, entries, dst_tensor_sha, report, progress
-            )
-        except CheckpointError as exc:
-            report.fail(f"source: {exc}")
-        except (TypeError, ValueError, AttributeError, KeyError) as exc:
-            report.fail(
-                f"{MANIFEST_NAME} is malformed ({type(exc).__name__}: {exc}); cannot compare with the source"
-            )
-    report.info["checked_against_source"] = source is not None and block_kept is not None
-    return report
+    return dst_tensor_sha
 
 
 def _bar(progress: bool, total: int, desc: str):

@@ -91,29 +91,11 @@ def compare_cmd(
 ) -> None:
     """Compare rankings pairwise: keep/drop flips per layer and overall, retained mass,
     and promoted experts' routing ratio between corpora and support."""
-    from ..analysis.compare import Ranking, compare_rankings
+    from ..analysis.compare import compare_rankings
     from ..analysis.reports import write_compare_report
 
     try:
-        if len(files) < 2:
-            raise ScoresError("compare needs at least two scores files")
-        corpora = key_values(corpus_of, "--corpus-of")
-        sources = key_values(per_source, "--per-source")
-        rankings = []
-        for i, path in enumerate(files):
-            label = chr(ord("A") + i) if i < 26 else f"R{i}"
-            corpus = None
-            for key in (label, path.stem, path.name, str(path)):
-                corpus = corpora.pop(key, None) or corpus
-            rankings.append(
-                Ranking(label=label, scores=ExpertScores.load(path), path=str(path), corpus=corpus)
-            )
-        if corpora:
-            raise ScoresError(
-                f"--corpus-of names unknown rankings {sorted(corpora)}; use the labels "
-                f"{[r.label for r in rankings]} or the file names"
-            )
-        per = {src: ExpertScores.load(Path(p)) for src, p in sources.items()} or None
+        rankings, per = _load_rankings(files, corpus_of, per_source)
         result = compare_rankings(
             rankings,
             keep,
@@ -125,6 +107,41 @@ def compare_cmd(
         )
     except _ERRORS as exc:
         fail(exc)
+    console.print(_flip_table(result))
+    if out_dir is not None:
+        paths = write_compare_report(result, out_dir, rankings, per)
+        console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
+def _load_rankings(files: list[Path], corpus_of, per_source):
+    """The rankings ``A, B, ...`` (with their ``--corpus-of`` labels) and the
+    ``--per-source`` scores files."""
+    from ..analysis.compare import Ranking
+
+    if len(files) < 2:
+        raise ScoresError("compare needs at least two scores files")
+    corpora = key_values(corpus_of, "--corpus-of")
+    sources = key_values(per_source, "--per-source")
+    rankings = []
+    for i, path in enumerate(files):
+        label = chr(ord("A") + i) if i < 26 else f"R{i}"
+        corpus = None
+        for key in (label, path.stem, path.name, str(path)):
+            corpus = corpora.pop(key, None) or corpus
+        rankings.append(
+            Ranking(label=label, scores=ExpertScores.load(path), path=str(path), corpus=corpus)
+        )
+    if corpora:
+        raise ScoresError(
+            f"--corpus-of names unknown rankings {sorted(corpora)}; use the labels "
+            f"{[r.label for r in rankings]} or the file names"
+        )
+    per = {src: ExpertScores.load(Path(p)) for src, p in sources.items()} or None
+    return rankings, per
+
+
+def _flip_table(result: dict) -> Table:
+    """The pairwise flips table ``reap compare`` prints."""
     table = Table(title=f"keep/drop flips at keep {result['keep']} ({result['num_layers']} layers)")
     for col in (
         "pair",
@@ -163,10 +180,7 @@ def compare_cmd(
             mass,
             route,
         )
-    console.print(table)
-    if out_dir is not None:
-        paths = write_compare_report(result, out_dir, rankings, per)
-        console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return table
 
 
 def register(app: typer.Typer) -> None:

@@ -16,7 +16,7 @@ import typer
 
 from .common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, check_failed, fail
 
-__all__ = ["register", "build_plan_from_scores"]
+__all__ = ["register"]
 
 PRUNE_EXAMPLE = (
     "Examples: reap prune /models/K3 --scores scores.safetensors --keep 448 --divisible-by 8 "
@@ -50,83 +50,70 @@ def _interruptible():
         signal.signal(signal.SIGTERM, previous)
 
 
-def build_plan_from_scores(
-    scores_path: Path,
-    layout,
-    *,
-    keep: int | None,
-    sparsity: float | None,
-    divisible_by: int | None,
-    saliency: str,
-):
-    """Cut a plan from a scores file with the keep-count rule, checked against ``layout``.
-
-    The checkpoint's config is authoritative for top-k and groups; the scores
-    metadata must agree with it where it states them.
-    """
-    from ..checkpoint.errors import CheckpointError
-    from ..scores import ExpertScores
-    from ..scores.keep_count import compute_keep_count
-    from ..scores.plan import PruningPlan
-
-    scores = ExpertScores.load(scores_path)
-    meta = scores.metadata
-    E = layout.num_experts
-    if scores.num_experts != E:
-        raise CheckpointError(
-            f"scores file {scores_path} is for {scores.num_experts} experts per layer, the "
-            f"checkpoint has {E}: the scores were made for another model"
+def _check_prune_args(scores, plan, keep, sparsity, divisible_by, output_checksum) -> None:
+    """``reap prune``'s options that exclude or require each other (exit 2)."""
+    if (scores is None) == (plan is None):
+        fail("give exactly one of --scores (with --keep or --sparsity) or --plan")
+    if plan is not None and (keep is not None or sparsity is not None or divisible_by is not None):
+        fail(
+            "--keep / --sparsity / --divisible-by cut a plan from --scores; they do not apply to --plan"
         )
-    from ..checkpoint.binding import resolve_block
+    if scores is not None and (keep is None) == (sparsity is None):
+        fail("with --scores give exactly one of --keep N or --sparsity S")
+    if output_checksum not in (None, "xxh3_128", "sha256"):
+        fail(f"--output-checksum must be xxh3_128 or sha256, got {output_checksum!r}")
 
-    for layer in scores.layers:  # every scored layer must be a MoE block of this checkpoint
-        try:
-            resolve_block(layer, layout.blocks, what=f"scores file {scores_path}: layer")
-        except CheckpointError as exc:
-            raise CheckpointError(f"{exc}; the scores were made for another model") from exc
-    top_k = layout.top_k if layout.top_k is not None else meta.get("top_k")
-    if top_k is None:
-        raise CheckpointError("neither config.json nor the scores file states top-k")
-    if (
-        meta.get("top_k") is not None
-        and layout.top_k is not None
-        and int(meta["top_k"]) != layout.top_k
-    ):
-        raise CheckpointError(f"scores file has top_k={meta['top_k']}, config.json {layout.top_k}")
-    n_group, topk_group = layout.groups
-    if n_group is None:
-        n_group, topk_group = meta.get("n_group"), meta.get("topk_group")
-    grouped = bool(n_group and n_group > 1 and (topk_group or n_group) < n_group)
-    kc = compute_keep_count(
-        E,
-        int(top_k),
-        sparsity=sparsity,
-        num_experts_to_keep=keep,
-        divisible_by=divisible_by,
-        n_group=n_group,
-        topk_group=topk_group,
-    )
-    sal = scores.saliency(saliency)
-    counts = {layer: stats["count"] for layer, stats in scores.layers.items() if "count" in stats}
-    params = {
-        "sparsity": sparsity,
-        "keep": keep,
-        "divisible_by": divisible_by,
-        "n_group": n_group,
-        "topk_group": topk_group,
-        "top_k": int(top_k),
-    }
-    return PruningPlan.from_saliency(
-        sal,
-        kc,
-        criterion=saliency,
-        n_group=n_group if grouped else None,
-        params=params,
-        counts=counts or None,
-    )
+
+def _prepare_prune(
+    src: Path, out: Path, scores: Path | None, plan: Path | None, cut: dict, **options
+):
+    """The checked rewrite job (:func:`~reap_modifier.checkpoint.prepare_rewrite`); bad
+    input exits 2 before any expensive work."""
+    from ..checkpoint import CheckpointError, ScoresCut, prepare_rewrite
+    from ..scores import ScoresError
+    from ..scores.plan import PlanError, PruningPlan
+
+    try:
+        the_plan = PruningPlan.load(plan) if plan is not None else ScoresCut(scores, **cut)
+        return prepare_rewrite(src, the_plan, out, scores_path=scores, **options)
+    except (CheckpointError, PlanError, ScoresError) as exc:
+        fail(exc)
+    except OSError as exc:
+        fail(f"cannot read {exc.filename or src}: {exc.strerror or exc}")
+
+
+def _run_prune(job) -> Path:
+    """Run the rewrite; a destination taken meanwhile exits 2, a failure or an interrupt
+    exits with the output neither written nor replaced."""
+    from ..checkpoint import CheckpointError, DestinationError
+    from ..scores.plan import PlanError
+
+    out = job.dst
+    try:
+        with _interruptible():
+            return job.run()
+    except DestinationError as exc:  # taken by another run meanwhile, not writable
+        fail(exc)
+    except (CheckpointError, PlanError) as exc:
+        fail(exc, EXIT_CHECK_FAILED)
+    except KeyboardInterrupt:
+        fail(
+            f"interrupted: {out} was not written (nor replaced) and the source is untouched; "
+            "rerun the same command to start again",
+            EXIT_INTERRUPTED,
+        )
+    except OSError as exc:
+        fail(
+            f"{exc.strerror or exc} ({exc.filename or out}): {out} was not written (nor replaced) "
+            "and the source is untouched",
+            EXIT_CHECK_FAILED,
+        )
 
 
 def register(app: typer.Typer) -> None:
+    """Add ``prune`` and ``verify`` to ``app``. (Long only by the two commands' option
+    declarations; their work is in the functions above.)"""
+
     @app.command("prune", epilog=PRUNE_EXAMPLE)
     def prune(
         src: Path = typer.Argument(
@@ -185,107 +172,34 @@ def register(app: typer.Typer) -> None:
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     ):
         """Prune routed experts from a checkpoint: kept experts' bytes copied verbatim."""
-        from ..checkpoint import (
-            CheckpointError,
-            DestinationError,
-            bind_plan,
-            check_destination,
-            inspect_checkpoint,
-            rewrite_checkpoint,
-        )
-        from ..scores import ScoresError
-        from ..scores.plan import PlanError, PruningPlan
-
-        if (scores is None) == (plan is None):
-            fail("give exactly one of --scores (with --keep or --sparsity) or --plan")
-        if plan is not None and (
-            keep is not None or sparsity is not None or divisible_by is not None
-        ):
-            fail(
-                "--keep / --sparsity / --divisible-by cut a plan from --scores; they do not apply to --plan"
-            )
-        if scores is not None and (keep is None) == (sparsity is None):
-            fail("with --scores give exactly one of --keep N or --sparsity S")
-        if output_checksum not in (None, "xxh3_128", "sha256"):
-            fail(f"--output-checksum must be xxh3_128 or sha256, got {output_checksum!r}")
+        _check_prune_args(scores, plan, keep, sparsity, divisible_by, output_checksum)
         if extra_layers not in ("error", "like-last"):
             fail(f"--extra-layers must be 'error' or 'like-last', got {extra_layers!r}")
         if save_plan is not None and save_plan.is_dir():
             fail(f"--save-plan {save_plan} is a directory; give the path of the JSON file to write")
-        try:
-            layout = inspect_checkpoint(src)
-            if layout.unindexed_files:
-                raise CheckpointError(
-                    f"{src}: safetensors file(s) {layout.unindexed_files} are not in the weight index"
-                )
-            check_destination(src, out, force=force)
-            if plan is not None:
-                the_plan = PruningPlan.load(plan)
-            else:
-                if not layout.blocks:
-                    raise CheckpointError(f"{src}: no MoE layer in the checkpoint")
-                the_plan = build_plan_from_scores(
-                    scores,
-                    layout,
-                    keep=keep,
-                    sparsity=sparsity,
-                    divisible_by=divisible_by,
-                    saliency=saliency,
-                )
-            spec = bind_plan(layout, the_plan, extra_layers=extra_layers)
-        except (CheckpointError, PlanError, ScoresError) as exc:
-            fail(exc)
-        except OSError as exc:
-            fail(f"cannot read {exc.filename or src}: {exc.strerror or exc}")
+        job = _prepare_prune(
+            src,
+            out,
+            scores,
+            plan,
+            dict(keep=keep, sparsity=sparsity, divisible_by=divisible_by, saliency=saliency),
+            force=force,
+            extra_layers=extra_layers,
+            progress=not quiet,
+            hash_source=not no_hash_source,
+            hash_cache=False if no_hash_cache else None,
+            output_checksum=output_checksum,
+            manifest_extra={
+                "cli": {"argv": sys.argv[1:], "plan_file": str(plan) if plan else None}
+            },
+        )
         if save_plan is not None:
             try:
-                the_plan.save(save_plan)
+                job.plan.save(save_plan)
             except OSError as exc:
                 fail(f"--save-plan {save_plan}: cannot write it ({exc.strerror})")
-        typer.echo(
-            f"pruning {src} -> {out}: {the_plan.num_experts} -> {the_plan.num_kept} experts in "
-            f"{len(spec.block_kept)} MoE layers"
-            + (
-                f" ({len(spec.extra)} cut like {sorted({v['kept_from'] for v in spec.extra.values()})})"
-                if spec.extra
-                else ""
-            ),
-            err=True,
-        )
-        try:
-            with _interruptible():
-                dst = rewrite_checkpoint(
-                    src,
-                    the_plan,
-                    out,
-                    scores_path=scores,
-                    force=force,
-                    extra_layers=extra_layers,
-                    progress=not quiet,
-                    hash_source=not no_hash_source,
-                    hash_cache=False if no_hash_cache else None,
-                    output_checksum=output_checksum,
-                    manifest_extra={
-                        "cli": {"argv": sys.argv[1:], "plan_file": str(plan) if plan else None}
-                    },
-                )
-        except DestinationError as exc:  # taken by another run meanwhile, not writable
-            fail(exc)
-        except (CheckpointError, PlanError) as exc:
-            fail(exc, EXIT_CHECK_FAILED)
-        except KeyboardInterrupt:
-            fail(
-                f"interrupted: {out} was not written (nor replaced) and the source is untouched; "
-                "rerun the same command to start again",
-                EXIT_INTERRUPTED,
-            )
-        except OSError as exc:
-            fail(
-                f"{exc.strerror or exc} ({exc.filename or out}): {out} was not written (nor replaced) "
-                "and the source is untouched",
-                EXIT_CHECK_FAILED,
-            )
-        typer.echo(str(dst))
+        typer.echo(job.summary(), err=True)
+        typer.echo(str(_run_prune(job)))
 
     @app.command("verify", epilog=VERIFY_EXAMPLE)
     def verify(

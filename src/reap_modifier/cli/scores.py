@@ -127,23 +127,34 @@ def show_cmd(
         s = _load(path)
     except _ERRORS as exc:
         fail(exc)
-    import torch
+    _print_metadata(path, s)
+    _print_calibration_runs(s)
+    if s.kind != "calibration":
+        _print_baseline_saliency(s)
+    else:
+        _print_support(s)
 
+
+#: metadata shown first, in this order, by ``reap scores show``
+_META_KEYS = (
+    "model_class",
+    "num_experts",
+    "top_k",
+    "n_group",
+    "topk_group",
+    "num_moe_layers",
+    "runs",
+    "seed",
+    "source_checkpoint",
+)
+
+
+def _print_metadata(path: Path, s) -> None:
     meta = Table(title=escape(str(path)), show_header=False)
     meta.add_column("key", style="bold")
     meta.add_column("value")
     meta.add_row("kind", s.kind + (f" ({s.method})" if s.method else ""))
-    for key in (
-        "model_class",
-        "num_experts",
-        "top_k",
-        "n_group",
-        "topk_group",
-        "num_moe_layers",
-        "runs",
-        "seed",
-        "source_checkpoint",
-    ):
+    for key in _META_KEYS:
         if s.metadata.get(key) is not None:
             meta.add_row(key, str(s.metadata[key]))
     meta.add_row("layers in file", str(len(s.layers)))
@@ -152,38 +163,33 @@ def show_cmd(
             meta.add_row(escape(f"tokens[{src}]"), f"{n:,}")
         meta.add_row("total tokens", f"{s.total_tokens():,}")
     for key, value in s.metadata.items():
-        if key in ("tokens", "kind", "method", "calibration") or key in {
-            "model_class",
-            "num_experts",
-            "top_k",
-            "n_group",
-            "topk_group",
-            "num_moe_layers",
-            "runs",
-            "seed",
-            "source_checkpoint",
-        }:
+        if key in ("tokens", "kind", "method", "calibration") or key in _META_KEYS:
             continue
         text = str(value)
         meta.add_row(escape(key), escape(text if len(text) < 120 else text[:117] + "..."))
     console.print(meta)
-    _print_calibration_runs(s)
 
-    if s.kind != "calibration":
-        table = Table(title=f"{s.method} saliency per layer")
-        table.add_column("layer", no_wrap=True)
-        for col in ("min", "median", "max"):
-            table.add_column(col, justify="right")
-        for layer, stats in s.layers.items():
-            v = stats[s.method]
-            table.add_row(
-                layer,
-                f"{float(v.min()):.4g}",
-                f"{float(torch.quantile(v, 0.5)):.4g}",
-                f"{float(v.max()):.4g}",
-            )
-        console.print(table)
-        return
+
+def _print_baseline_saliency(s) -> None:
+    import torch
+
+    table = Table(title=f"{s.method} saliency per layer")
+    table.add_column("layer", no_wrap=True)
+    for col in ("min", "median", "max"):
+        table.add_column(col, justify="right")
+    for layer, stats in s.layers.items():
+        v = stats[s.method]
+        table.add_row(
+            layer,
+            f"{float(v.min()):.4g}",
+            f"{float(torch.quantile(v, 0.5)):.4g}",
+            f"{float(v.max()):.4g}",
+        )
+    console.print(table)
+
+
+def _print_support(s) -> None:
+    import torch
 
     sources = s.sources
     support = s.support()

@@ -80,16 +80,9 @@ class RankShareSampler(Sampler[int]):
 
 
 def patch_rank_partition() -> None:
-    """Why: llm-compressor 0.14.0.1 partitions a dataset that every rank passed
-    identically in ``datasets/utils.py::_make_sampler`` by slicing it
-    (``dataset = dataset.select(range(start, end))``) and returning a sampler over the
-    *slice*, while ``format_calibration_data`` builds the DataLoader over the *full*
-    dataset. The sampler's slice-relative indices ``0..len(slice)-1`` therefore read
-    the first samples of the full dataset on every rank: with 2 ranks and 12 samples
-    both ranks calibrate on samples 0-5, samples 6-11 are never seen, and decisions
-    differ from a single process although token totals agree. The slice is also cut
-    from ``num_calibration_samples`` before it is clamped to the dataset length, so the
-    default (512) with a smaller dataset raises ``IndexError``.
+    """Why: llm-compressor 0.14.0.1's ``_make_sampler`` indexes the full dataset with
+    slice-relative indices, so every rank calibrates on the first samples (details:
+    ``docs/upstream-gaps.md``).
 
     We keep upstream's detection (``_is_dist_and_same_ds``, a collective every rank
     runs) and upstream's sampler for every other case, and replace the partitioning

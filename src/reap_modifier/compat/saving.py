@@ -3,55 +3,23 @@ back into each family's native module, the GPT-OSS repack."""
 
 from __future__ import annotations
 
-import json
-import os
-
 from loguru import logger
 
-from ..fileio import write_json_atomic
-from ..models.config_keys import COUNT_KEYS
+from ..registries import saved_config_fixups
 
 __all__ = [
-    "fix_saved_expert_counts",
     "patch_gpt_oss_repack",
     "patch_resave_config",
     "repack_linearized_experts",
 ]
 
 
-def fix_saved_expert_counts(config, save_dir: str) -> None:
-    """Make ``save_dir/config.json`` carry the model's current expert count.
-
-    Why: llm-compressor 0.14.0.1 ``resave_config`` rewrites config.json from the
+def patch_resave_config() -> None:
+    """Why: llm-compressor 0.14.0.1 ``resave_config`` rewrites config.json from the
     *original* checkpoint's config and patches only ``num_experts``,
     ``num_local_experts`` and ``moe_num_experts``; DeepSeek-V3 / GLM4-MoE keep the old
-    ``n_routed_experts`` and the pruned checkpoint cannot load. We patch every count
-    key that is present (top level and nested ``text_config``) from the live config.
-    """
-    path = os.path.join(save_dir, "config.json")
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        saved = json.load(f)
-    live = config.to_dict()
-    changed = False
-    for section_saved, section_live in (
-        (saved, live),
-        (saved.get("text_config"), live.get("text_config")),
-    ):
-        if not isinstance(section_saved, dict) or not isinstance(section_live, dict):
-            continue
-        for key in COUNT_KEYS:
-            if key in section_saved and key in section_live:
-                if section_saved[key] != section_live[key]:
-                    section_saved[key] = section_live[key]
-                    changed = True
-    if changed:
-        write_json_atomic(path, saved, indent=2, sort_keys=True)
-        logger.info(f"REAP: patched expert counts in {path} (upstream resave_config gap)")
-
-
-def patch_resave_config() -> None:
+    ``n_routed_experts`` and the pruned checkpoint cannot load. After it, run the
+    saved-config fixups the core registered (the live expert counts)."""
     from llmcompressor.transformers.compression import compressed_tensors_utils as ctu
 
     original = ctu.resave_config
@@ -60,7 +28,8 @@ def patch_resave_config() -> None:
 
     def resave_config(config, save_dir):
         original(config, save_dir)
-        fix_saved_expert_counts(config, save_dir)
+        for fixup in saved_config_fixups():
+            fixup(config, save_dir)
 
     resave_config._reap_patched = True
     ctu.resave_config = resave_config

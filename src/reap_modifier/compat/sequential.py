@@ -5,28 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..registries import calibration_batch_listeners
+
 __all__ = [
-    "add_calibration_batch_listener",
     "patch_calibration_cache",
     "patch_traced_config_attention",
     "rebuild_traced_config",
-    "remove_calibration_batch_listener",
 ]
-
-
-_BATCH_LISTENERS: list = []
-
-
-def add_calibration_batch_listener(listener) -> None:
-    """Call ``listener(batches: list[dict])`` whenever the sequential pipeline caches
-    the calibration batches (in the order ``state.current_batch_idx`` indexes)."""
-    if listener not in _BATCH_LISTENERS:
-        _BATCH_LISTENERS.append(listener)
-
-
-def remove_calibration_batch_listener(listener) -> None:
-    if listener in _BATCH_LISTENERS:
-        _BATCH_LISTENERS.remove(listener)
 
 
 class _RecordingLoader:
@@ -49,15 +34,11 @@ class _RecordingLoader:
 
 
 def patch_calibration_cache() -> None:
-    """Why: llm-compressor 0.14.0.1's sequential pipeline never calls the model: it
-    runs decoder-layer subgraphs on batches it caches with
-    ``IntermediatesCache.from_dataloader``, and the 2-D attention mask reaches only the
-    first subgraph (later ones get the 4-D causal mask, whose form depends on the
-    attention implementation). Modifiers get ``state.current_batch_idx`` but not the
-    batch (only AWQ's ``loss_mask`` is exposed, via ``use_loss_mask``), so without
-    help an observer cannot tell padded positions from tokens. We hand the cached
-    batches' ``input_ids`` / ``attention_mask`` to registered listeners; nothing
-    else changes.
+    """Why: modifiers get ``state.current_batch_idx`` but not the batch in llm-compressor
+    0.14.0.1's sequential pipeline, so an observer cannot tell padding from tokens (details:
+    ``docs/upstream-gaps.md``). The batches ``IntermediatesCache.from_dataloader`` caches are
+    handed, ``input_ids`` / ``attention_mask`` only, to the listeners registered in
+    :mod:`reap_modifier.registries`; nothing else changes.
     """
     from llmcompressor.pipelines.cache import IntermediatesCache
 
@@ -66,11 +47,12 @@ def patch_calibration_cache() -> None:
         return
 
     def from_dataloader(cls, dataloader, *args, **kwargs):
-        if not _BATCH_LISTENERS:
+        listeners = calibration_batch_listeners()
+        if not listeners:
             return original(cls, dataloader, *args, **kwargs)
         recording = _RecordingLoader(dataloader)
         cache = original(cls, recording, *args, **kwargs)
-        for listener in list(_BATCH_LISTENERS):
+        for listener in listeners:
             listener(recording.batches)
         return cache
 
@@ -93,25 +75,12 @@ def rebuild_traced_config(config_class: str, attn_implementation: str | None, **
 
 
 def patch_traced_config_attention() -> None:
-    """Why: llm-compressor 0.14.0.1's ``SequentialTracer.create_arg``
-    (``pipelines/sequential/helpers.py``) bakes a model config into the traced
-    subgraph as ``ConfigClass(**config.to_dict())``. With transformers 5.17,
-    ``to_dict()`` leaves out the private ``_attn_implementation``, so the rebuilt
-    config has ``None`` there, and ``create_causal_mask`` (``masking_utils.py``,
-    ``_preprocess_mask_arguments``: an implementation not in the mask registry needs
-    "no mask") returns ``None``. Every decoder layer of a transformers-native model
-    (Qwen3-MoE, DeepSeek-V3, OLMoE, Mixtral, GLM4-MoE, GPT-OSS) then runs eager
-    attention with **no mask at all** in the sequential pipeline: tokens attend to
-    later tokens, and real tokens attend to padding, so calibration statistics come
-    from a different (non-causal) model than the one deployed. Rebuild the config
-    with the traced model's ``_attn_implementation`` (eager, forced by
-    ``calibration_forward_context`` while tracing), so the mask is created as in the
-    model's own forward.
-
-    Also: torch.fx writes nested dict values of those kwargs with ``repr``. A model
-    loaded packed keeps its compressed-tensors ``quantization_config``, whose
-    ``QuantizationStatus.COMPRESSED`` repr is not Python (tracing Qwen3-MoE failed with a
-    SyntaxError); enums are passed as their values.
+    """Why: ``SequentialTracer.create_arg`` rebuilds the config without
+    ``_attn_implementation``, so decoder layers traced by llm-compressor 0.14.0.1 run with no
+    attention mask, and writes a packed model's ``QuantizationStatus`` as invalid Python
+    (details: ``docs/upstream-gaps.md``). The config is rebuilt with the traced model's
+    ``_attn_implementation`` (eager, forced by ``calibration_forward_context`` while tracing),
+    so the mask is created as in the model's own forward; enums are passed as their values.
     """
     from llmcompressor.pipelines.sequential.helpers import SequentialTracer
     from transformers.configuration_utils import PretrainedConfig

@@ -310,10 +310,6 @@ def load_split(
     return out
 
 
-def load_texts(data_dir: str | Path | None, lang: str, split: str) -> list[str]:
-    return [r["text"] for r in load_split(data_dir, lang, split)]
-
-
 def source_counts(records: Iterable[Record]) -> dict[str, int]:
     out: dict[str, int] = {}
     for r in records:
@@ -501,25 +497,6 @@ def tokenize_all(
     return out
 
 
-def mean_nll(model: Any, batch, chunk: int = 8) -> tuple[float, int]:
-    """Mean next-token NLL (nats) of a causal LM over a [n, seq_len] batch of ids and the number of
-    predicted tokens. Runs under ``torch.no_grad`` in chunks of ``chunk`` rows."""
-    import torch
-    import torch.nn.functional as F
-
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, batch.shape[0], chunk):
-            x = batch[i : i + chunk]
-            logits = model(input_ids=x).logits.float()
-            nll = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"
-            )
-            total += float(nll)
-            count += x[:, 1:].numel()
-    return total / max(1, count), count
-
-
 __all__ = [
     "LANGS",
     "SPLITS",
@@ -537,8 +514,6 @@ __all__ = [
     "html_paragraphs",
     "keep_paragraph",
     "load_split",
-    "load_texts",
-    "mean_nll",
     "normalize_ws",
     "packed_token_stream",
     "shuffled",

@@ -33,7 +33,6 @@ __all__ = [
     "WindowMetrics",
     "token_metrics",
     "evaluate_models",
-    "evaluate_model",
     "paired_difference",
     "greedy_generate",
     "longest_repeat_run",
@@ -145,18 +144,6 @@ def evaluate_models(
                 if progress is not None:
                     progress(x.shape[0])
     return {name: acc[name].summary() for name in models}
-
-
-def evaluate_model(
-    model: Any, windows: torch.Tensor, reference_model: Any | None = None, *, chunk: int = 8
-) -> dict:
-    """One model (optionally against a reference model): see :func:`evaluate_models`."""
-    models = {"model": model}
-    if reference_model is not None:
-        models = {"reference": reference_model, "model": model}
-    return evaluate_models(
-        models, windows, "reference" if reference_model is not None else None, chunk=chunk
-    )["model"]
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -166,31 +166,57 @@ def pick_prompts(records: list, tokenizer, n: int, prompt_tokens: int, seed: int
 # ----------------------------------------------------------------------------- the job
 
 
+@dataclass
+class Inputs:
+    """Stage 0: the tokenizer, the corpora's held-out records, the calibration sets per part, the
+    evaluation windows and the generation prompts per language."""
+
+    tokenizer: Any
+    evals: dict[str, list]
+    sets: dict[str, Any]
+    windows: dict[str, Any]
+    prompts: dict[str, list[dict]]
+
+
+@dataclass
+class Calibration:
+    """Stage 1: one oneshot run per part, the packed-vs-dense check, the parts' and the merged
+    rankings' scores (also written under ``out/scores``)."""
+
+    runs: list[dict]
+    packed_check: dict
+    parts: dict[str, Any]
+    merged: dict[str, Any]
+
+
+@dataclass
+class Pruning:
+    """Stage 2: each method's plan and its record (checkpoint, verification, masses, overlap)."""
+
+    src_dir: Path  # the checkpoint the rewriter reads
+    left_out: Any  # files of the model folder left out of it
+    plans: dict[str, Any]  # by method
+    records: dict[str, dict]  # by method
+
+
+@dataclass
+class Comparison:
+    """Stage 4: the rankings' comparison, flips per sparsity and the tiers report."""
+
+    cmp: dict
+    flips_by_sparsity: dict
+    tier_keeps: list[int]
+    tiers: dict
+
+
 def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | None = None) -> dict:
     """Run the whole job; returns the results dict (also written to ``out/results.json``).
     ``command`` is recorded as the command line that produced the report."""
-    clock = Clock()
-    import numpy as np
     import torch
-    from tqdm.auto import tqdm
 
-    from ..analysis.compare import Ranking, compare_rankings
-    from ..analysis.reports import write_compare_report, write_tiers_report
-    from ..analysis.tiers import tiers_report
-    from ..checkpoint import rewrite_checkpoint
-    from ..checkpoint.verify import verify_checkpoint
-    from ..scores import ExpertScores
-    from ..scores.baselines import scores_from_weights
-    from ..scores.plan import plan_from_scores, retained_mass
     from . import data as D
-    from .evaluate import (
-        evaluate_models,
-        greedy_generate,
-        paired_difference,
-        repetition_stats,
-        zero_routed_experts,
-    )
 
+    clock = Clock()
     if cfg.quick:
         cfg = DemoConfig(**{**asdict(cfg), **QUICK})
     torch.set_num_threads(cfg.threads)
@@ -202,259 +228,355 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | N
     prepare_out_dir(out)
     data_dir = Path(cfg.data_dir) if cfg.data_dir else D.default_data_dir()
 
+    with clock.stage("corpora", log):
+        inputs = load_inputs(cfg, model_dir, data_dir, log)
+    with clock.stage("calibrate", log):
+        calib = calibrate_parts(cfg, model_dir, inputs, out / "scores", log)
+    src_dir, left_out = checkpoint_source(model_dir, out, log)
+    (out / "pruned").mkdir(parents=True, exist_ok=True)
+    with clock.stage("prune + verify", log):
+        pruning = prune_and_verify(cfg, src_dir, left_out, out, calib)
+    with clock.stage("evaluate", log):
+        models = load_models(cfg, model_dir, out / "pruned", pruning)
+        quality = evaluate_quality(cfg, models, inputs.windows)
+    with clock.stage("generate", log):
+        generations = generate_texts(cfg, models, inputs)
+        del models
+    with clock.stage("compare + tiers", log):
+        comparison = compare_and_tiers(cfg, out, calib)
+
+    results = assemble_results(
+        cfg, command, model_dir, data_dir, out, inputs, calib, pruning, quality, generations,
+        comparison, clock,
+    )  # fmt: skip
+    write_plots(results, out)
+    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    (out / "report.md").write_text(render_report(results))
+    log(
+        f"wrote {out / 'report.md'} and {out / 'results.json'} ({results['timing']['total']:.0f} s)"
+    )
+    return results
+
+
+def load_inputs(cfg: DemoConfig, model_dir: Path, data_dir: Path, log) -> Inputs:
+    """Stage 0: corpora (fetched on first run), tokenizer, calibration sets, windows, prompts."""
     from transformers import AutoTokenizer
 
-    with clock.stage("corpora", log):
-        ensure_corpora(data_dir, default=cfg.data_dir is None, log=log)
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        calib = {lang: D.load_split(data_dir, lang, "calib") for lang in LANGS}
-        evals = {lang: D.load_split(data_dir, lang, "eval") for lang in LANGS}
-        sets = calibration_sets(calib, tokenizer, cfg)
-        windows = {
-            lang: D.eval_windows(
-                evals[lang],
-                tokenizer,
-                cfg.eval_windows,
-                seq_len=cfg.eval_seq_len,
-                seed=cfg.eval_seed,
-            )
-            for lang in LANGS
-        }
-        prompts = {
-            lang: pick_prompts(
-                evals[lang], tokenizer, cfg.prompts_per_lang, cfg.prompt_tokens, cfg.seed + 7
-            )
-            for lang in LANGS
-        }
+    from . import data as D
 
-    # -- 1. calibration ------------------------------------------------------------------------
-    scores_dir = out / "scores"
-    calib_runs = []
-    with clock.stage("calibrate", log):
+    ensure_corpora(data_dir, default=cfg.data_dir is None, log=log)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    calib = {lang: D.load_split(data_dir, lang, "calib") for lang in LANGS}
+    evals = {lang: D.load_split(data_dir, lang, "eval") for lang in LANGS}
+    sets = calibration_sets(calib, tokenizer, cfg)
+    windows = {
+        lang: D.eval_windows(
+            evals[lang],
+            tokenizer,
+            cfg.eval_windows,
+            seq_len=cfg.eval_seq_len,
+            seed=cfg.eval_seed,
+        )
+        for lang in LANGS
+    }
+    prompts = {
+        lang: pick_prompts(
+            evals[lang], tokenizer, cfg.prompts_per_lang, cfg.prompt_tokens, cfg.seed + 7
+        )
+        for lang in LANGS
+    }
+    return Inputs(tokenizer, evals, sets, windows, prompts)
+
+
+def calibrate_parts(
+    cfg: DemoConfig, model_dir: Path, inputs: Inputs, scores_dir: Path, log
+) -> Calibration:
+    """Stage 1: REAP through ``oneshot`` once per part, on the packed experts; part 1 again on the
+    decompressed model as a check; the rankings' scores merged from the parts."""
+    from tqdm.auto import tqdm
+
+    from ..scores import ExpertScores
+
+    def arguments(part: str, lang: str) -> tuple:
+        scores_path = scores_dir / f"{part}.safetensors"
+        return str(model_dir), part, lang, inputs.sets[part], inputs.tokenizer, scores_path, cfg
+
+    runs = [
+        calibrate(*arguments(part, lang))
         for part, lang in tqdm(
             PARTS, desc="calibrate (oneshot per corpus)", unit="run", dynamic_ncols=True
-        ):
-            calib_runs.append(
-                calibrate(
-                    str(model_dir),
-                    part,
-                    lang,
-                    sets[part],
-                    tokenizer,
-                    scores_dir / f"{part}.safetensors",
-                    cfg,
-                )
-            )
-        part, lang = PARTS[
-            0
-        ]  # the packed experts gave the dense path's scores (1e-6, every statistic)
-        packed_check = check_packed_scores(
-            str(model_dir),
-            part,
-            lang,
-            sets[part],
-            tokenizer,
-            scores_dir / f"{part}.safetensors",
-            cfg,
         )
-        log(
-            f"   packed vs dense calibration of {part}: every statistic within "
-            f"{packed_check['max_rel']:.1e} relative ({packed_check['statistics']:,} values)"
+    ]
+    part, lang = PARTS[0]  # the packed experts gave the dense path's scores (1e-6, every statistic)
+    packed_check = check_packed_scores(*arguments(part, lang))
+    log(
+        f"   packed vs dense calibration of {part}: every statistic within "
+        f"{packed_check['max_rel']:.1e} relative ({packed_check['statistics']:,} values)"
+    )
+    parts = {p: ExpertScores.load(scores_dir / f"{p}.safetensors") for p, _ in PARTS}
+    merged: dict[str, ExpertScores] = {}
+    for label, names in RANKINGS.items():
+        s = parts[names[0]]
+        for n in names[1:]:
+            s = s.merge(parts[n])
+        merged[label] = s
+        s.save(scores_dir / f"{label}.safetensors")
+    return Calibration(runs, packed_check, parts, merged)
+
+
+def prune_and_verify(
+    cfg: DemoConfig, src_dir: Path, left_out, out: Path, calib: Calibration
+) -> Pruning:
+    """Stage 2: per method, a plan, the bit-exact rewrite and ``verify --source``; then each
+    plan's overlap with REAP(en+zh+code) at the same sparsity."""
+    from tqdm.auto import tqdm
+
+    from ..scores.plan import retained_mass
+
+    yard = calib.merged[YARDSTICK].saliency("reap")
+    plans, records = {}, {}
+    for m in tqdm(
+        job_methods(cfg),
+        desc="prune (checkpoint rewrite) + verify",
+        unit="ckpt",
+        dynamic_ncols=True,
+    ):
+        plans[m.name], records[m.name] = prune_one(cfg, m, src_dir, out, calib, yard, retained_mass)
+    for name, plan in plans.items():  # overlap with REAP(en+zh+code) at the same sparsity
+        ref = next(
+            plans[n]
+            for n, r in records.items()
+            if r["sparsity"] == records[name]["sparsity"]
+            and r["saliency"] == "reap"
+            and r["calibration"] == "en+zh+code"
         )
-        parts = {p: ExpertScores.load(scores_dir / f"{p}.safetensors") for p, _ in PARTS}
-        merged: dict[str, ExpertScores] = {}
-        for label, names in RANKINGS.items():
-            s = parts[names[0]]
-            for n in names[1:]:
-                s = s.merge(parts[n])
-            merged[label] = s
-            s.save(scores_dir / f"{label}.safetensors")
+        shared = [len(set(plan.kept[l]) & set(ref.kept[l])) for l in plan.kept]
+        records[name]["overlap_with_reap_en_zh_code"] = sum(shared) / (len(shared) * plan.num_kept)
+    return Pruning(src_dir, left_out, plans, records)
 
-    # -- 2. plans, checkpoints, verification ---------------------------------------------------
-    pruned_dir, plans_dir = out / "pruned", out / "plans"
-    src_dir, left_out = checkpoint_source(model_dir, out, log)
-    yard = merged[YARDSTICK].saliency("reap")
-    plans, pruning = {}, {}
-    pruned_dir.mkdir(parents=True, exist_ok=True)
-    with clock.stage("prune + verify", log):
-        for m in tqdm(
-            job_methods(cfg),
-            desc="prune (checkpoint rewrite) + verify",
-            unit="ckpt",
-            dynamic_ncols=True,
-        ):
-            t = time.time()
-            if m.kind == "calibrated":
-                spath = scores_dir / f"{m.ranking}.safetensors"
-                scores = merged[m.ranking]
-            else:
-                spath = scores_dir / f"{m.saliency}.safetensors"
-                if not spath.is_file():
-                    scores_from_weights(src_dir, m.saliency, seed=cfg.seed).save(spath)
-                scores = ExpertScores.load(spath)
-            plan = plan_from_scores(
-                scores,
-                sparsity=m.sparsity,
-                saliency=m.saliency,
-                params={"demo_method": m.name, "calibration": m.calibration},
-            )
-            plan.save(plans_dir / f"{m.name}.json")
-            plans[m.name] = plan
-            dst = pruned_dir / m.name
-            rewrite_checkpoint(
-                src_dir,
-                plan,
-                dst,
-                scores_path=spath,
-                force=True,
-                method=f"{m.label} via reap_modifier.demo (checkpoint rewrite)",
-                progress=False,
-                hash_cache=False,
-            )
-            rewrite_s = time.time() - t
-            rep = verify_checkpoint(dst, source=src_dir)
-            if not rep.ok:
-                raise RuntimeError(f"verification of {dst} failed:\n{rep.summary()}")
-            pruning[m.name] = {
-                "label": m.label,
-                "kind": m.kind,
-                "saliency": m.saliency,
-                "calibration": m.calibration,
-                "sparsity": m.sparsity,
-                "scores": relative_to(spath, out),
-                "plan": relative_to(plans_dir / f"{m.name}.json", out),
-                "checkpoint": relative_to(dst, out),
-                "num_experts_before": plan.num_experts,
-                "num_experts_after": plan.num_kept,
-                "retained_own_mass": float(np.mean(list(plan.retained.values()))),
-                "retained_reap_mass_D": float(
-                    np.mean([retained_mass(yard[l], ids) for l, ids in plan.kept.items()])
-                ),
-                "kept": plan.kept,
-                "verify": {
-                    "ok": rep.ok,
-                    "warnings": rep.warnings,
-                    **{
-                        k: rep.info.get(k)
-                        for k in (
-                            "moe_layers",
-                            "num_experts",
-                            "tensors",
-                            "tensors_matching_source",
-                            "checked_against_source",
-                            "quantization_format",
-                        )
-                    },
-                },
-                "bytes": sum(f.stat().st_size for f in dst.rglob("*") if f.is_file()),
-                "seconds": round(rewrite_s, 2),
-            }
-        for name, plan in plans.items():  # overlap with REAP(en+zh+code) at the same sparsity
-            ref = next(
-                plans[n]
-                for n, r in pruning.items()
-                if r["sparsity"] == pruning[name]["sparsity"]
-                and r["saliency"] == "reap"
-                and r["calibration"] == "en+zh+code"
-            )
-            shared = [len(set(plan.kept[l]) & set(ref.kept[l])) for l in plan.kept]
-            pruning[name]["overlap_with_reap_en_zh_code"] = sum(shared) / (
-                len(shared) * plan.num_kept
-            )
 
-    # -- 3. evaluation ---------------------------------------------------------------------------
-    quality: dict[str, dict[str, dict]] = {}
-    generations: dict[str, list[dict]] = {}
-    with clock.stage("evaluate", log):
-        models = {REFERENCE: load_model(model_dir, dtype=cfg.dtype)}
-        for name in pruning:
-            models[name] = load_model(pruned_dir / name, dtype=cfg.dtype)
-        models[ABLATION] = load_model(model_dir, dtype=cfg.dtype)
-        zero_routed_experts(models[ABLATION])
-        total = sum(int(w.shape[0]) for w in windows.values()) * len(models)
-        with tqdm(
-            total=total, desc="evaluate (windows x models)", unit="win", dynamic_ncols=True
-        ) as bar:
-            for lang in LANGS:
-                res = evaluate_models(
-                    models, windows[lang], REFERENCE, chunk=cfg.eval_chunk, progress=bar.update
+def prune_one(
+    cfg: DemoConfig, m, src_dir: Path, out: Path, calib: Calibration, yard, retained_mass
+):
+    """One method: its scores (calibrated, or from the router weights), plan, checkpoint and
+    verification; returns ``(plan, record)``."""
+    import numpy as np
+
+    from ..checkpoint import prepare_rewrite
+    from ..checkpoint.verify import verify_checkpoint
+    from ..scores import ExpertScores
+    from ..scores.baselines import scores_from_weights
+    from ..scores.plan import plan_from_scores
+
+    scores_dir, plans_dir, pruned_dir = out / "scores", out / "plans", out / "pruned"
+    t = time.time()
+    if m.kind == "calibrated":
+        spath = scores_dir / f"{m.ranking}.safetensors"
+        scores = calib.merged[m.ranking]
+    else:
+        spath = scores_dir / f"{m.saliency}.safetensors"
+        if not spath.is_file():
+            scores_from_weights(src_dir, m.saliency, seed=cfg.seed).save(spath)
+        scores = ExpertScores.load(spath)
+    plan = plan_from_scores(
+        scores,
+        sparsity=m.sparsity,
+        saliency=m.saliency,
+        params={"demo_method": m.name, "calibration": m.calibration},
+    )
+    plan.save(plans_dir / f"{m.name}.json")
+    dst = pruned_dir / m.name
+    prepare_rewrite(
+        src_dir,
+        plan,
+        dst,
+        scores_path=spath,
+        force=True,
+        method=f"{m.label} via reap_modifier.demo (checkpoint rewrite)",
+        progress=False,
+        hash_cache=False,
+    ).run()
+    rewrite_s = time.time() - t
+    rep = verify_checkpoint(dst, source=src_dir)
+    if not rep.ok:
+        raise RuntimeError(f"verification of {dst} failed:\n{rep.summary()}")
+    record = {
+        "label": m.label,
+        "kind": m.kind,
+        "saliency": m.saliency,
+        "calibration": m.calibration,
+        "sparsity": m.sparsity,
+        "scores": relative_to(spath, out),
+        "plan": relative_to(plans_dir / f"{m.name}.json", out),
+        "checkpoint": relative_to(dst, out),
+        "num_experts_before": plan.num_experts,
+        "num_experts_after": plan.num_kept,
+        "retained_own_mass": float(np.mean(list(plan.retained.values()))),
+        "retained_reap_mass_D": float(
+            np.mean([retained_mass(yard[l], ids) for l, ids in plan.kept.items()])
+        ),
+        "kept": plan.kept,
+        "verify": {
+            "ok": rep.ok,
+            "warnings": rep.warnings,
+            **{
+                k: rep.info.get(k)
+                for k in (
+                    "moe_layers",
+                    "num_experts",
+                    "tensors",
+                    "tensors_matching_source",
+                    "checked_against_source",
+                    "quantization_format",
                 )
-                for name, r in res.items():
-                    quality.setdefault(name, {})[lang] = r
-    with clock.stage("generate", log):
-        batch = torch.tensor([p["ids"] for lang in LANGS for p in prompts[lang]], dtype=torch.long)
-        where = [(lang, i) for lang in LANGS for i in range(len(prompts[lang]))]
-        with tqdm(
-            total=len(models) * cfg.gen_tokens,
-            desc="greedy generations",
-            unit="tok",
-            dynamic_ncols=True,
-        ) as bar:
-            for name, model in models.items():
-                gen = greedy_generate(model, batch, cfg.gen_tokens, progress=bar.update)
-                rows = []
-                for (lang, i), ids in zip(where, gen.tolist()):
-                    text = tokenizer.decode(ids)
-                    rows.append(
-                        {
-                            "lang": lang,
-                            "prompt": i,
-                            "ids": ids,
-                            "text": text,
-                            **repetition_stats(ids, text),
-                        }
-                    )
-                generations[name] = rows
-        del models
-
-    # -- 4. flip table ---------------------------------------------------------------------------
-    with clock.stage("compare + tiers", log):
-        rankings = [
-            Ranking(
-                label, merged[label], path=relative_to(scores_dir / f"{label}.safetensors", out)
-            )
-            for label in RANKINGS
-        ]
-        per_source = {"en": merged["B"], "zh": parts["zh"], "code": parts["code"]}
-        cmp = compare_rankings(rankings, sparsity=cfg.sparsity, per_source=per_source)
-        write_compare_report(cmp, out / "compare", rankings=rankings, per_source=per_source)
-        flips_by_sparsity = {}
-        for sp in sorted(set(FLIP_SPARSITIES) | {cfg.sparsity}):
-            c = (
-                cmp
-                if sp == cfg.sparsity
-                else compare_rankings(rankings, sparsity=sp, per_source=per_source)
-            )
-            flips_by_sparsity[f"{sp:g}"] = _flip_summary(c)
-        E = merged["D"].num_experts
-        tier_keeps = sorted(
-            {
-                max(merged["D"].metadata.get("top_k", 1), round(E * f))
-                for f in (0.75, 0.5, 0.375, 0.25)
             },
-            reverse=True,
-        )
-        tiers = tiers_report(merged["D"], tier_keeps)
-        write_tiers_report(tiers, out / "tiers")
+        },
+        "bytes": sum(f.stat().st_size for f in dst.rglob("*") if f.is_file()),
+        "seconds": round(rewrite_s, 2),
+    }
+    return plan, record
 
-    # -- 5. results + report -----------------------------------------------------------------------
-    card = None
-    card_path = model_dir / "model_card.json"
-    if card_path.is_file():
-        c = json.loads(card_path.read_text())
-        ev = c.get("eval", {})
-        card = {
-            "loss": ev.get("loss"),
-            "windows_per_lang": ev.get("windows_per_lang"),
-            "seq_len": ev.get("seq_len"),
-            "window_seed": ev.get("window_seed"),
-        }
-        card["same_windows"] = (
-            card["windows_per_lang"] == cfg.eval_windows
-            and card["seq_len"] == cfg.eval_seq_len
-            and card["window_seed"] == cfg.eval_seed
+
+def load_models(cfg: DemoConfig, model_dir: Path, pruned_dir: Path, pruning: Pruning) -> dict:
+    """The unpruned model, every pruned checkpoint, and the no-routed-experts ablation."""
+    from .evaluate import zero_routed_experts
+
+    models = {REFERENCE: load_model(model_dir, dtype=cfg.dtype)}
+    for name in pruning.records:
+        models[name] = load_model(pruned_dir / name, dtype=cfg.dtype)
+    models[ABLATION] = load_model(model_dir, dtype=cfg.dtype)
+    zero_routed_experts(models[ABLATION])
+    return models
+
+
+def evaluate_quality(cfg: DemoConfig, models: dict, windows: dict) -> dict[str, dict[str, dict]]:
+    """Stage 3: every model against the unpruned one on each language's held-out windows."""
+    from tqdm.auto import tqdm
+
+    from .evaluate import evaluate_models
+
+    quality: dict[str, dict[str, dict]] = {}
+    total = sum(int(w.shape[0]) for w in windows.values()) * len(models)
+    with tqdm(
+        total=total, desc="evaluate (windows x models)", unit="win", dynamic_ncols=True
+    ) as bar:
+        for lang in LANGS:
+            res = evaluate_models(
+                models, windows[lang], REFERENCE, chunk=cfg.eval_chunk, progress=bar.update
+            )
+            for name, r in res.items():
+                quality.setdefault(name, {})[lang] = r
+    return quality
+
+
+def generate_texts(cfg: DemoConfig, models: dict, inputs: Inputs) -> dict[str, list[dict]]:
+    """Stage 3b: greedy generations of every model from the same prompts, with repetition stats."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from .evaluate import greedy_generate, repetition_stats
+
+    prompts = inputs.prompts
+    generations: dict[str, list[dict]] = {}
+    batch = torch.tensor([p["ids"] for lang in LANGS for p in prompts[lang]], dtype=torch.long)
+    where = [(lang, i) for lang in LANGS for i in range(len(prompts[lang]))]
+    with tqdm(
+        total=len(models) * cfg.gen_tokens,
+        desc="greedy generations",
+        unit="tok",
+        dynamic_ncols=True,
+    ) as bar:
+        for name, model in models.items():
+            gen = greedy_generate(model, batch, cfg.gen_tokens, progress=bar.update)
+            rows = []
+            for (lang, i), ids in zip(where, gen.tolist()):
+                text = inputs.tokenizer.decode(ids)
+                rows.append(
+                    {
+                        "lang": lang,
+                        "prompt": i,
+                        "ids": ids,
+                        "text": text,
+                        **repetition_stats(ids, text),
+                    }
+                )
+            generations[name] = rows
+    return generations
+
+
+def compare_and_tiers(cfg: DemoConfig, out: Path, calib: Calibration) -> Comparison:
+    """Stage 4: the flip table (rankings compared at each sparsity) and the tiers report."""
+    from ..analysis.compare import Ranking, compare_rankings
+    from ..analysis.reports import write_compare_report, write_tiers_report
+    from ..analysis.tiers import tiers_report
+
+    merged, parts, scores_dir = calib.merged, calib.parts, out / "scores"
+    rankings = [
+        Ranking(label, merged[label], path=relative_to(scores_dir / f"{label}.safetensors", out))
+        for label in RANKINGS
+    ]
+    per_source = {"en": merged["B"], "zh": parts["zh"], "code": parts["code"]}
+    cmp = compare_rankings(rankings, sparsity=cfg.sparsity, per_source=per_source)
+    write_compare_report(cmp, out / "compare", rankings=rankings, per_source=per_source)
+    flips_by_sparsity = {}
+    for sp in sorted(set(FLIP_SPARSITIES) | {cfg.sparsity}):
+        c = (
+            cmp
+            if sp == cfg.sparsity
+            else compare_rankings(rankings, sparsity=sp, per_source=per_source)
         )
-    eval_paragraphs = {lang: D.source_counts(evals[lang]) for lang in LANGS}
+        flips_by_sparsity[f"{sp:g}"] = _flip_summary(c)
+    E = merged["D"].num_experts
+    tier_keeps = sorted(
+        {max(merged["D"].metadata.get("top_k", 1), round(E * f)) for f in (0.75, 0.5, 0.375, 0.25)},
+        reverse=True,
+    )
+    tiers = tiers_report(merged["D"], tier_keeps)
+    write_tiers_report(tiers, out / "tiers")
+    return Comparison(cmp, flips_by_sparsity, tier_keeps, tiers)
+
+
+def _model_card_eval(model_dir: Path, cfg: DemoConfig) -> dict | None:
+    """The bundled model card's evaluation settings, and whether the job uses the same windows."""
+    card_path = model_dir / "model_card.json"
+    if not card_path.is_file():
+        return None
+    ev = json.loads(card_path.read_text()).get("eval", {})
+    card = {
+        "loss": ev.get("loss"),
+        "windows_per_lang": ev.get("windows_per_lang"),
+        "seq_len": ev.get("seq_len"),
+        "window_seed": ev.get("window_seed"),
+    }
+    card["same_windows"] = (
+        card["windows_per_lang"] == cfg.eval_windows
+        and card["seq_len"] == cfg.eval_seq_len
+        and card["window_seed"] == cfg.eval_seed
+    )
+    return card
+
+
+def assemble_results(
+    cfg: DemoConfig,
+    command: str | None,
+    model_dir: Path,
+    data_dir: Path,
+    out: Path,
+    inputs: Inputs,
+    calib: Calibration,
+    pruning: Pruning,
+    quality: dict,
+    generations: dict,
+    comparison: Comparison,
+    clock: Clock,
+) -> dict:
+    """Stage 5: the stages' records as the JSON-able ``results.json`` document. (Long only
+    because it is the document's layout written out as one literal.)"""
+    from . import data as D
+    from .evaluate import paired_difference
+
+    merged, scores_dir = calib.merged, out / "scores"
+    src_dir = pruning.src_dir
     results = {
         "format": "reap-demo-results",
         "version": 1,
@@ -463,20 +585,25 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | N
         "config": asdict(cfg),
         "model": {
             "path": str(model_dir),
-            "model_card": card,
+            "model_card": _model_card_eval(model_dir, cfg),
             "checkpoint_source": relative_to(src_dir, out)
             if src_dir != model_dir
             else str(model_dir),
-            "left_out_of_checkpoint_source": left_out,
+            "left_out_of_checkpoint_source": pruning.left_out,
             "num_experts": merged["D"].num_experts,
             "top_k": merged["D"].metadata.get("top_k"),
             "moe_layers": merged["D"].layer_names,
             "model_class": merged["D"].metadata.get("model_class"),
         },
-        "data": {"dir": str(data_dir), "eval_paragraphs_per_source": eval_paragraphs},
+        "data": {
+            "dir": str(data_dir),
+            "eval_paragraphs_per_source": {
+                lang: D.source_counts(inputs.evals[lang]) for lang in LANGS
+            },
+        },
         "calibration": {
-            "runs": calib_runs,
-            "packed_check": packed_check,
+            "runs": calib.runs,
+            "packed_check": calib.packed_check,
             "rankings": {
                 label: {
                     "parts": list(names),
@@ -486,43 +613,36 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | N
                 for label, names in RANKINGS.items()
             },
         },
-        "pruning": pruning,
+        "pruning": pruning.records,
         "eval": {
             "windows_per_lang": cfg.eval_windows,
             "seq_len": cfg.eval_seq_len,
             "seed": cfg.eval_seed,
-            "tokens_per_lang": {lang: int(windows[lang][:, 1:].numel()) for lang in LANGS},
+            "tokens_per_lang": {lang: int(inputs.windows[lang][:, 1:].numel()) for lang in LANGS},
             "quality": quality,
         },
         "paired": _paired(quality, paired_difference),
         "generations": {
             "prompts": {
-                lang: [{k: p[k] for k in ("source", "ids", "text")} for p in prompts[lang]]
+                lang: [{k: p[k] for k in ("source", "ids", "text")} for p in inputs.prompts[lang]]
                 for lang in LANGS
             },
             "new_tokens": cfg.gen_tokens,
             "by_model": generations,
             "summary": _gen_summary(generations),
         },
-        "compare": jsonable(cmp),
-        "flips_by_sparsity": jsonable(flips_by_sparsity),
+        "compare": jsonable(comparison.cmp),
+        "flips_by_sparsity": jsonable(comparison.flips_by_sparsity),
         "tiers": {
-            "keeps": tier_keeps,
-            "rows": jsonable(tiers["tiers"]),
-            "answer": tiers.get("answer"),
+            "keeps": comparison.tier_keeps,
+            "rows": jsonable(comparison.tiers["tiers"]),
+            "answer": comparison.tiers.get("answer"),
         },
         "timing": {**clock.stages, "total": clock.total()},
         "versions": environment_versions(),
     }
     results["timing"]["total"] = clock.total()
-    results = jsonable(results)
-    write_plots(results, out)
-    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
-    (out / "report.md").write_text(render_report(results))
-    log(
-        f"wrote {out / 'report.md'} and {out / 'results.json'} ({results['timing']['total']:.0f} s)"
-    )
-    return results
+    return jsonable(results)
 
 
 def _flip_summary(cmp: dict) -> dict:

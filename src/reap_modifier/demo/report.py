@@ -122,13 +122,23 @@ def flip_rows(cmp: dict) -> list[dict]:
 
 
 def render_report(results: dict) -> str:
-    """``report.md`` from ``results.json`` alone (every number in it comes from the dict)."""
-    cfg = results["config"]
-    q = results["eval"]["quality"]
-    pr = results["pruning"]
-    mdl = results["model"]
-    gs = results["generations"]["summary"]
-    cmp = results["compare"]
+    """``report.md`` from ``results.json`` alone (every number in it comes from the dict), one
+    renderer per section."""
+    sections = (
+        _title,
+        _calibration,
+        _quality,
+        _degeneration,
+        _flips,
+        _checkpoints,
+        _generations,
+        _timing_and_limits,
+    )
+    return "\n".join(line for section in sections for line in section(results))
+
+
+def _title(results: dict) -> list[str]:
+    cfg, pr, mdl = results["config"], results["pruning"], results["model"]
     E, k = mdl["num_experts"], next(iter(pr.values()))["num_experts_after"]
     L = len(mdl["moe_layers"])
     extra = sorted({r["sparsity"] for r in pr.values()} - {cfg["sparsity"]})
@@ -149,6 +159,12 @@ def render_report(results: dict) -> str:
         f" {results['timing']['total']:.0f} s ({cfg['threads']} CPU thread{'s' if cfg['threads'] > 1 else ''});"
         " every number below is in `results.json`.",
         "",
+    ]
+    return lines
+
+
+def _calibration(results: dict) -> list[str]:
+    lines = [
         "## Calibration",
         "",
         "REAP scores from `oneshot` + `REAPPruningModifier`, one run per corpus (model reloaded from its"
@@ -181,12 +197,26 @@ def render_report(results: dict) -> str:
             + ", ".join(f"{s} {tokens(n)}" for s, n in r["tokens"].items())
             + " |"
         )
-    ev = results["eval"]
     lines += [
         "",
         "REAP(en) = B, REAP(en+zh) = C, REAP(en+zh+code) = D; frequency ranks by routed-token count in D;"
         " router_l1 / router_signed_sum / random use router weights only (no data; random seeded).",
         "",
+    ]
+    return lines
+
+
+def _quality(results: dict) -> list[str]:
+    """NLL, agreement and KL against the unpruned model, and the paired differences. (Long
+    because it is one report section, table after table.)"""
+    q, pr, mdl, ev = (
+        results["eval"]["quality"],
+        results["pruning"],
+        results["model"],
+        results["eval"],
+    )
+    E = mdl["num_experts"]
+    lines = [
         "## Quality after pruning",
         "",
         f"Held-out windows: {ev['windows_per_lang']} x {ev['seq_len']} tokens per language from the eval split"
@@ -258,7 +288,12 @@ def render_report(results: dict) -> str:
             )
             + ".",
         ]
-    lines += [
+    return lines
+
+
+def _degeneration(results: dict) -> list[str]:
+    cfg, gs = results["config"], results["generations"]["summary"]
+    lines = [
         "",
         "## Degeneration check (the seed's)",
         "",
@@ -282,7 +317,14 @@ def render_report(results: dict) -> str:
             + " | ".join(f"{gs[name][l]['mean_repeat_run_tokens']:.1f}" for l in LANGS)
             + " |"
         )
-    lines += [
+    return lines
+
+
+def _flips(results: dict) -> list[str]:
+    """The seed's flip table, retained masses, the other cut points and the tiers. (Long
+    because it is one report section, table after table.)"""
+    cmp = results["compare"]
+    lines = [
         "",
         "## The seed's flip table on our data",
         "",
@@ -376,7 +418,12 @@ def render_report(results: dict) -> str:
                 f"| {t['keep']} | {pct(t['pruned_fraction'], 1)} | {pct(t['retained_mass_mean'], 1)} |"
             )
         lines.append("")
-    lines += [
+    return lines
+
+
+def _checkpoints(results: dict) -> list[str]:
+    pr, mdl = results["pruning"], results["model"]
+    lines = [
         "## Checkpoints",
         "",
         "Every pruned checkpoint was written by `rewrite_checkpoint` (kept experts' packed MXFP4 bytes copied"
@@ -401,7 +448,11 @@ def render_report(results: dict) -> str:
             f"{r['num_experts_after']} | {v.get('tensors_matching_source')} / {v.get('tensors')} |"
             f" {r['bytes'] / 1e6:.2f} | {'OK' if v['ok'] else 'FAILED'} | {r['seconds']:.1f} |"
         )
-    lines += ["", "## Generations", ""]
+    return lines
+
+
+def _generations(results: dict) -> list[str]:
+    lines = ["", "## Generations", ""]
     prompts = results["generations"]["prompts"]
     for lang in LANGS:
         for i, p in enumerate(prompts[lang][:1]):
@@ -417,8 +468,12 @@ def render_report(results: dict) -> str:
                     f" `{_md(row['text'])}`"
                 )
             lines.append("")
+    return lines
+
+
+def _timing_and_limits(results: dict) -> list[str]:
     t = results["timing"]
-    lines += [
+    lines = [
         "## Timing",
         "",
         " | ".join(f"{k} {v:.0f} s" for k, v in t.items() if k != "total")
@@ -435,7 +490,7 @@ def render_report(results: dict) -> str:
         "Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()),
         "",
     ]
-    return "\n".join(lines)
+    return lines
 
 
 def summary_tables(results: dict) -> str:

@@ -88,12 +88,12 @@ def environment_versions() -> dict:
 
 def load_model(path: str | os.PathLike, *, packed: bool = False, dtype: str = "bfloat16"):
     """A checkpoint from its directory with transformers, eval mode, floating weights in ``dtype``
-    (:func:`reap_modifier.compat.load_checkpoint_model`). compressed-tensors checkpoints (MXFP4
+    (:func:`reap_modifier.models.loading.load_checkpoint_model`). compressed-tensors checkpoints (MXFP4
     experts) are decompressed on load: the weights are the exact MXFP4 values, the forward is the
     same as the compressed module's. With ``packed`` they stay packed (``weight_packed`` /
     ``weight_scale``): REAP calibration then dequantizes one MoE layer at a time
     (:mod:`reap_modifier.calibration.packed`), in the dtype the experts are called with."""
-    from ..compat import load_checkpoint_model
+    from ..models.loading import load_checkpoint_model
 
     if _QUIET:  # transformers' and compressed-tensors' per-load progress bars
         import contextlib

@@ -55,9 +55,6 @@ class MoELayer:
     def experts(self) -> nn.Module:
         return getattr(self.block, EXPERTS_ATTR)
 
-    def router_weight(self) -> torch.Tensor:
-        return self.router.weight
-
 
 @dataclass
 class MoEArchitecture:

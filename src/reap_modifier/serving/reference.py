@@ -47,7 +47,7 @@ def make_prompts(
 def load_reference_model(checkpoint: str | os.PathLike, dtype: str = "auto"):
     """The checkpoint through transformers (Kimi K3 via llm-compressor's class), eval mode,
     in ``dtype`` (compressed-tensors checkpoints decompressed)."""
-    from ..compat import load_checkpoint_model
+    from ..models.loading import load_checkpoint_model
 
     return load_checkpoint_model(checkpoint, dtype=dtype)
 

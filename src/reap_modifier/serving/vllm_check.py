@@ -301,6 +301,9 @@ def _run_serve(
     timeout,
     reference_model,
 ) -> None:
+    """``serve`` mode: transformers' reference tokens, then vLLM's OpenAI server started,
+    queried and stopped, and the two compared. (Long because querying the server and reading
+    its answers sit in the one ``try`` that always stops it.)"""
     prompts = prompts or make_prompts(_vocab_size(ckpt))
     report.prompts = prompts
     ref: Reference | None = None

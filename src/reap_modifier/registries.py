@@ -1,0 +1,99 @@
+"""Extension points between the core and :mod:`reap_modifier.compat`.
+
+The core registers here what it needs from upstream's machinery (a listener for the
+calibration batches, the rule for loading a recipe's model packed, fixups of a saved
+model); the patches in ``compat`` find them here. This module imports nothing of ours, so
+``compat`` depends on it and on nothing else of the package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = [
+    "PackedLoadRule",
+    "add_calibration_batch_listener",
+    "add_save_fixup",
+    "add_saved_config_fixup",
+    "calibration_batch_listeners",
+    "packed_load_rule",
+    "remove_calibration_batch_listener",
+    "run_save_fixups",
+    "saved_config_fixups",
+    "set_packed_load_rule",
+]
+
+# -- the calibration batches the sequential pipeline caches ----------------------------
+
+_BATCH_LISTENERS: list[Callable[[list[dict]], None]] = []
+
+
+def add_calibration_batch_listener(listener: Callable[[list[dict]], None]) -> None:
+    """Call ``listener(batches: list[dict])`` whenever the sequential pipeline caches
+    the calibration batches (in the order ``state.current_batch_idx`` indexes)."""
+    if listener not in _BATCH_LISTENERS:
+        _BATCH_LISTENERS.append(listener)
+
+
+def remove_calibration_batch_listener(listener: Callable[[list[dict]], None]) -> None:
+    if listener in _BATCH_LISTENERS:
+        _BATCH_LISTENERS.remove(listener)
+
+
+def calibration_batch_listeners() -> list[Callable[[list[dict]], None]]:
+    return list(_BATCH_LISTENERS)
+
+
+# -- ``oneshot(model=<path>)`` loading a REAP-only recipe's model packed ----------------
+
+
+@dataclass(frozen=True)
+class PackedLoadRule:
+    """When ``oneshot`` may load a compressed checkpoint with its experts packed.
+
+    :param keeps_packed: ``(recipe) -> bool``: only REAP reads the weights
+    :param check_config: ``(config.json dict) -> None``: raises for a format that
+        calibration on packed experts cannot compute, before anything is loaded
+    """
+
+    keeps_packed: Callable[[object], bool]
+    check_config: Callable[[dict], None]
+
+
+_PACKED_LOAD: list[PackedLoadRule] = []
+
+
+def set_packed_load_rule(rule: PackedLoadRule) -> None:
+    _PACKED_LOAD[:] = [rule]
+
+
+def packed_load_rule() -> PackedLoadRule | None:
+    return _PACKED_LOAD[0] if _PACKED_LOAD else None
+
+
+# -- fixups of a saved model ------------------------------------------------------------
+
+_SAVE_FIXUPS: list[Callable[[object], object]] = []
+_SAVED_CONFIG_FIXUPS: list[Callable[[object, str], None]] = []
+
+
+def add_save_fixup(fixup: Callable[[object], object]) -> None:
+    """``fixup(model)`` runs before the regular (llm-compressor) save of a pruned model."""
+    if fixup not in _SAVE_FIXUPS:
+        _SAVE_FIXUPS.append(fixup)
+
+
+def run_save_fixups(model) -> None:
+    for fixup in list(_SAVE_FIXUPS):
+        fixup(model)
+
+
+def add_saved_config_fixup(fixup: Callable[[object, str], None]) -> None:
+    """``fixup(config, save_dir)`` runs after upstream rewrites a saved ``config.json``."""
+    if fixup not in _SAVED_CONFIG_FIXUPS:
+        _SAVED_CONFIG_FIXUPS.append(fixup)
+
+
+def saved_config_fixups() -> list[Callable[[object, str], None]]:
+    return list(_SAVED_CONFIG_FIXUPS)
