@@ -29,7 +29,7 @@ from .models import MoEArchitecture, find_moe_architecture
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
 from .scores.baselines import baseline_saliency, baseline_scores, layer_number, model_fingerprint
 from .scores.keep_count import KeepCount, PlanError, compute_keep_count
-from .scores.plan import PruningPlan
+from .scores.plan import PruningPlan, cut_plan
 from .surgery import apply_plan, check_plan_fits
 
 __all__ = ["REAPPruningModifier"]
@@ -214,8 +214,8 @@ class REAPPruningModifier(Modifier):
             sparsity=self.sparsity,
             num_experts_to_keep=self.num_experts_to_keep,
             divisible_by=self.divisible_by,
-            n_group=arch.n_group if arch.group_limited else None,
-            topk_group=arch.topk_group if arch.group_limited else None,
+            n_group=arch.n_group,
+            topk_group=arch.topk_group,
         )
         logger.info(
             f"REAP: {arch.model_class}: {len(arch.layers)} MoE layers x "
@@ -392,13 +392,18 @@ class REAPPruningModifier(Modifier):
         counts: dict[str, torch.Tensor] | None,
     ) -> None:
         arch = self._arch
-        plan = PruningPlan.from_saliency(
+        plan = cut_plan(
             saliency,
-            self._keep,
+            counts,
+            num_experts=arch.num_experts,
+            top_k=arch.top_k,
+            groups=(arch.n_group, arch.topk_group),
+            sparsity=self.sparsity,
+            keep=self.num_experts_to_keep,
+            divisible_by=self.divisible_by,
             criterion=self.saliency,
-            n_group=arch.n_group if arch.group_limited else None,
             params=self._plan_params(),
-            counts=counts,
+            log=False,  # logged by on_initialize
         )
         # identical on every rank by construction; rank 0's ids are broadcast anyway
         plan.kept = distributed.broadcast_kept(
@@ -439,9 +444,6 @@ class REAPPruningModifier(Modifier):
 
     def _plan_params(self) -> dict:
         return {
-            "sparsity": self.sparsity,
-            "num_experts_to_keep_requested": self.num_experts_to_keep,
-            "divisible_by": self.divisible_by,
             "calibration_source": self.calibration_source if self.calibrates else None,
             "scores_in": self.scores_in,
             "seed": self.seed if self.saliency == "random" else None,

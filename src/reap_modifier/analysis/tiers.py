@@ -33,8 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..models.config_keys import group_limit
 from ..scores import ExpertScores, ScoresError
-from ..scores.keep_count import group_limit, sparsity_to_keep
+from ..scores.keep_count import sparsity_to_keep
 
 __all__ = [
     "KNEE_THRESHOLD",
@@ -284,7 +285,8 @@ def tiers_report(
     if isinstance(scores, ExpertScores):
         name = saliency or scores.default_saliency
         sal = scores.saliency(name)
-        n_group = n_group or group_limit(scores.metadata)
+        meta = scores.metadata
+        n_group = n_group or group_limit(meta.get("n_group"), meta.get("topk_group"))
     else:
         name, sal = saliency or "saliency", scores
     curve = mass_curve(sal)

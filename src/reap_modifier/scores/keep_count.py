@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 from loguru import logger
 
+from ..models.config_keys import group_limit
+
 __all__ = [
     "KeepCount",
     "PlanError",
     "compute_keep_count",
     "group_args",
-    "group_limit",
     "keep_count_for_scores",
     "sparsity_to_keep",
 ]
@@ -62,8 +63,14 @@ def compute_keep_count(
     divisible_by: int | None = None,
     n_group: int | None = None,
     topk_group: int | None = None,
+    log: bool = True,
 ) -> KeepCount:
-    """Apply the keep-count rule; raise :class:`PlanError` saying what to change."""
+    """Apply the keep-count rule; raise :class:`PlanError` saying what to change.
+
+    :param n_group: expert groups of the router (with ``topk_group``: see
+        :func:`~reap_modifier.models.config_keys.group_limit`)
+    :param log: log each adjustment (callers that already logged this count pass False)
+    """
     if (sparsity is None) == (num_experts_to_keep is None):
         raise PlanError("give exactly one of sparsity or num_experts_to_keep")
     if sparsity is not None:
@@ -91,7 +98,7 @@ def compute_keep_count(
                 "rounds down to 0; lower divisible_by or keep more experts"
             )
     per_group = None
-    grouped = n_group is not None and n_group > 1 and (topk_group or n_group) < n_group
+    grouped = group_limit(n_group, topk_group) is not None
     if grouped:
         if num_experts % n_group:
             raise PlanError(f"{num_experts} experts do not split into n_group={n_group} groups")
@@ -117,14 +124,14 @@ def compute_keep_count(
             f"selects per token; keep at least {top_k} (lower sparsity)"
         )
     if grouped:
-        reachable = (topk_group or n_group) * per_group
+        reachable = (topk_group or 1) * per_group
         if reachable < top_k:
             raise PlanError(
                 f"{what} keeps {per_group} experts in each of {n_group} groups; the router "
                 f"picks topk_group={topk_group} groups, so only {reachable} experts are "
                 f"reachable per token, fewer than top_k={top_k}; lower sparsity"
             )
-    for note in notes:
+    for note in notes if log else ():
         logger.info(f"REAP keep count: {note}")
     return KeepCount(num_experts, keep, requested, per_group, tuple(notes))
 
@@ -156,10 +163,3 @@ def keep_count_for_scores(
         n_group=n_group,
         topk_group=topk_group,
     )
-
-
-def group_limit(metadata: dict) -> int | None:
-    n_group, topk_group = metadata.get("n_group"), metadata.get("topk_group")
-    if n_group and n_group > 1 and (topk_group or n_group) < n_group:
-        return int(n_group)
-    return None
