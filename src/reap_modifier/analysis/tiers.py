@@ -280,7 +280,7 @@ def tiers_report(
 
     :param scores: a scores file (its metadata gives groups) or a saliency dict
     :param keeps: keep counts of the tiers; ``sparsities`` are converted with the
-        keep-count rule's step 1 (``E - round_half_up(s * E)``)
+        keep-count rule's step 1 (``E - int(E * s)``)
     """
     if isinstance(scores, ExpertScores):
         name = saliency or scores.default_saliency
