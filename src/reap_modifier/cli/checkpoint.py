@@ -106,6 +106,7 @@ def build_plan_from_scores(
         keep=keep,
         divisible_by=divisible_by,
         criterion=saliency,
+        propagated=meta.get("propagate_pruned"),
     )
 
 

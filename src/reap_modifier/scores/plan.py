@@ -26,6 +26,7 @@ __all__ = [
     "PLAN_VERSION",
     "PlanError",
     "PruningPlan",
+    "check_propagated_cut",
     "cut_plan",
     "plan_from_scores",
     "retained_mass",
@@ -281,6 +282,7 @@ def cut_plan(
     criterion: str = "reap",
     params: dict | None = None,
     log: bool = True,
+    propagated: dict | None = None,
 ) -> PruningPlan:
     """Cut per-layer saliency into a :class:`PruningPlan` with the keep-count rule.
 
@@ -293,7 +295,10 @@ def cut_plan(
     :param keep: experts to keep per layer (``num_experts_to_keep``)
     :param params: extra parameters recorded in the plan
     :param log: log the keep count's adjustments
-    :raises PlanError: the keep count is invalid for this router
+    :param propagated: the ``propagate_pruned`` record of the scores being cut
+        (``{"keep", "saliency", ...}``); only that cut is allowed
+    :raises PlanError: the keep count is invalid for this router, or differs from the
+        cut a ``propagate_pruned`` scores file was measured under
     """
     n_group, topk_group = groups
     count = compute_keep_count(
@@ -306,6 +311,8 @@ def cut_plan(
         topk_group=topk_group,
         log=log,
     )
+    if propagated:
+        check_propagated_cut(propagated, count.keep, criterion)
     recorded = {
         "sparsity": sparsity,
         "num_experts_to_keep_requested": keep,
@@ -322,6 +329,20 @@ def cut_plan(
         n_group=group_limit(n_group, topk_group),
         params=recorded,
         counts=counts,
+    )
+
+
+def check_propagated_cut(propagated: dict, keep: int, criterion: str) -> None:
+    """Refuse to cut ``propagate_pruned`` statistics at any cut but their own."""
+    if keep == propagated.get("keep") and criterion == propagated.get("saliency"):
+        return
+    raise PlanError(
+        f"these scores were calibrated with propagate_pruned: every MoE layer after the "
+        f"first was observed on a model whose earlier layers were already cut to "
+        f"{propagated.get('keep')} experts by {propagated.get('saliency')!r}, so they hold "
+        f"only for that cut; this asks for {keep} by {criterion!r}. Cut them at "
+        f"{propagated.get('keep')} by {propagated.get('saliency')!r}, or calibrate with "
+        "propagate_pruned: false (statistics of the unpruned model cut any tier)"
     )
 
 
@@ -361,4 +382,5 @@ def plan_from_scores(
         divisible_by=divisible_by,
         criterion=name,
         params=recorded,
+        propagated=scores.metadata.get("propagate_pruned"),
     )
