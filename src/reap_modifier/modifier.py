@@ -12,7 +12,6 @@ from typing import Literal
 
 import torch
 from llmcompressor.core import Event, State
-from llmcompressor.modeling.moe.context import get_calibrate_all_experts_flag
 from llmcompressor.modifiers import Modifier
 from llmcompressor.modifiers.factory import ModifierFactory
 from loguru import logger
@@ -22,6 +21,7 @@ from . import compat
 from .calibration import distributed
 from .calibration.observer import SaliencyObserver
 from .calibration.packed import PackedCompute, check_module_formats, compressed_modules
+from .calibration.routed_only import calibrate_all_experts, set_calibrate_all_experts
 from .checkpoint.compressed_save import compressed_source, route_save_through_rewriter
 from .checkpoint.manifest import build_manifest, tool_versions
 from .fileio import sha256_file, write_json_atomic
@@ -122,6 +122,7 @@ class REAPPruningModifier(Modifier):
     _packed: PackedCompute | None = PrivateAttr(default=None)
     _layerwise: LayerwiseCut | None = PrivateAttr(default=None)
     _source_fingerprint: str | None = PrivateAttr(default=None)
+    _restore_calibrate_all: bool | None = PrivateAttr(default=None)
 
     # -- validation (before any model work) -----------------------------------------
 
@@ -289,6 +290,23 @@ class REAPPruningModifier(Modifier):
             if not isinstance(m, REAPPruningModifier)
         ]
 
+    def _other_calibrating_modifiers(self) -> list[str]:
+        """Other modifiers of this calibration that need data (the independent
+        pipeline, oneshot's default, calibrates each modifier on its own)."""
+        from llmcompressor.core import active_session
+
+        recipe = active_session().lifecycle.recipe
+        return [
+            type(m).__name__
+            for m in (recipe.modifiers if recipe is not None else [])
+            if m is not self and getattr(m, "requires_calibration_data", False)
+        ]
+
+    def _restore_calibrate_all_flag(self) -> None:
+        if self._restore_calibrate_all is not None:
+            set_calibrate_all_experts(self._restore_calibrate_all)
+            self._restore_calibrate_all = None
+
     def _release_packed(self) -> None:
         if self._packed is not None:
             self._packed.detach()
@@ -301,12 +319,22 @@ class REAPPruningModifier(Modifier):
     def on_calibration_start(self, state: State, event: Event, **kwargs) -> None:
         if self._plan is not None or self._observer is None:
             return
-        self._calibrate_all = get_calibrate_all_experts_flag()
+        self._calibrate_all = calibrate_all_experts()
         if self._calibrate_all:
-            logger.info(
-                "REAP: moe_calibrate_all_experts is on; REAP observes routed tokens only "
-                "(identical scores either way) — turning it off makes calibration cheaper"
-            )
+            others = self._other_calibrating_modifiers()
+            if not others:
+                self._restore_calibrate_all = set_calibrate_all_experts(False)
+                self._calibrate_all = False
+                logger.info(
+                    "REAP: moe_calibrate_all_experts off for this calibration (REAP is the "
+                    "only modifier calibrating and observes routed tokens only; identical "
+                    "scores either way); restored when it ends"
+                )
+            else:
+                logger.info(
+                    f"REAP: moe_calibrate_all_experts left on: {', '.join(others)} also "
+                    "calibrate(s) in this pass (REAP's scores are identical either way)"
+                )
         self._observer.attach()
 
     def on_sequential_epoch_end(self, state: State, event: Event, **kwargs) -> None:
@@ -318,6 +346,7 @@ class REAPPruningModifier(Modifier):
             self._layerwise.cut(state.model, self._layerwise.pending(kwargs.get("modules")))
 
     def on_calibration_end(self, state: State, event: Event, **kwargs) -> None:
+        self._restore_calibrate_all_flag()
         self.remove_hooks()
         if self._observer is not None:
             self._observer.detach()
@@ -326,6 +355,7 @@ class REAPPruningModifier(Modifier):
             self._decide_and_prune(state.model)
 
     def on_finalize(self, state: State, **kwargs) -> bool:
+        self._restore_calibrate_all_flag()
         self.remove_hooks()
         if self._observer is not None:
             self._observer.detach()
