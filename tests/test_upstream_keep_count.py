@@ -18,7 +18,7 @@ EXPERTS = [8, 16, 64, 100, 128, 160, 256, 384, 896]
 SPARSITIES = [0.001, 0.05, 0.1, 0.2, 0.25, 0.29, 0.3, 0.33, 0.5, 0.6, 0.7, 0.75, 0.9, 0.97]
 # (n_group, topk_group): flat, group-limited, and n_group = 1 (upstream's group path,
 # a flat cut for us: the same count)
-GROUPS = [(None, None), (8, 4), (4, 2), (8, 1), (2, 1), (1, 1)]
+GROUPS = [(None, None), (8, 4), (4, 2), (8, 1), (2, 1), (1, 1), (4, 4), (8, 8)]
 TOP_KS = [2, 8]
 
 

@@ -7,10 +7,13 @@ ours and apply on top. With ``E`` experts per layer:
 
 1. ``sparsity``: drop ``int(E * sparsity)`` (truncated, as upstream); refused when that
    is 0. ``num_experts_to_keep``: keep that many.
-2. Group-limited routers (:func:`~reap_modifier.models.config_keys.group_limit`):
-   ``sparsity`` drops ``round(int(E * sparsity) / n_group)`` experts in every group
-   (Python's ``round``, as upstream; refused when 0); ``num_experts_to_keep`` is
-   rounded down to a multiple of ``n_group``.
+2. Routers with ``n_group > 1`` expert groups: ``sparsity`` drops
+   ``round(int(E * sparsity) / n_group)`` experts per group (Python's ``round``, as
+   upstream; refused when 0). For group-limited routers
+   (:func:`~reap_modifier.models.config_keys.group_limit`) the cut keeps an equal
+   count in every group and ``num_experts_to_keep`` is rounded down to a multiple of
+   ``n_group``; when every group is always picked (``topk_group >= n_group``) only the
+   count follows upstream and the cut is flat.
 3. ``divisible_by``: rounded down to a multiple of it (of ``lcm(divisible_by,
    n_group)`` for group-limited routers).
 4. Refused when the result is zero, below ``top_k``, or below what group-limited
@@ -94,13 +97,14 @@ def _group_count(
         if per_group_drop == 0:
             raise PlanError(
                 f"{what} drops {drop} experts, round({drop} / n_group={n_group}) = 0 per "
-                "group: group-limited routing needs an equal drop per group, so nothing "
-                "would be pruned; raise sparsity"
+                "group: the drop is spread equally over the groups (as llm-compressor "
+                "does), so nothing would be pruned; raise sparsity"
             )
         grouped = num_experts - per_group_drop * n_group
         note = (
             f"dropping {per_group_drop} experts in each of {n_group} groups "
-            f"({num_experts - grouped} instead of {drop}; group-limited routing)"
+            f"({num_experts - grouped} instead of {drop}; an equal drop per group, as "
+            "llm-compressor)"
         )
     else:
         grouped = keep - keep % n_group
@@ -132,8 +136,13 @@ def compute_keep_count(
     keep = requested
     notes: list[str] = []
     groups = group_limit(n_group, topk_group)
-    if groups is not None:
-        keep, note = _group_count(num_experts, keep, groups, sparsity, what)
+    # llm-compressor spreads a sparsity's drop equally over any n_group > 1 groups, even
+    # when every group is always picked (then the count is its, the cut stays flat)
+    spread = groups
+    if spread is None and sparsity is not None and (n_group or 1) > 1:
+        spread = int(n_group) if num_experts % int(n_group) == 0 else None
+    if spread is not None:
+        keep, note = _group_count(num_experts, keep, spread, sparsity, what)
         notes += [note] if note else []
     if divisible_by is not None:
         if divisible_by < 1:
