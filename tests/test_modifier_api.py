@@ -193,10 +193,10 @@ def test_model_without_moe_names_its_class(tmp_path, tokenizer):
     _assert_nothing_written(tmp_path)
 
 
-def test_keep_count_rounding_is_not_truncation():
+def test_keep_count_truncates_the_drop_as_upstream():
     from reap_modifier.scores.keep_count import compute_keep_count
 
-    # upstream: int(100 * 0.29) = 28 dropped; the rule drops round(29.0) = 29
-    assert compute_keep_count(100, 8, sparsity=0.29).keep == 71
-    # halves round the drop up (no banker's rounding): 0.5 * 9 = 4.5 -> drop 5
-    assert compute_keep_count(9, 2, sparsity=0.5).keep == 4
+    # upstream drops int(100 * 0.29) = int(28.999999999999996) = 28
+    assert compute_keep_count(100, 8, sparsity=0.29).keep == 72
+    # 0.5 * 9 = 4.5 -> drop 4
+    assert compute_keep_count(9, 2, sparsity=0.5).keep == 5

@@ -12,7 +12,6 @@ from typing import Literal
 
 import torch
 from llmcompressor.core import Event, State
-from llmcompressor.modeling.moe.context import get_calibrate_all_experts_flag
 from llmcompressor.modifiers import Modifier
 from llmcompressor.modifiers.factory import ModifierFactory
 from loguru import logger
@@ -28,17 +27,19 @@ from .calibration.packed import (
     check_module_formats,
     compressed_modules,
 )
+from .calibration.routed_only import calibrate_all_experts, set_calibrate_all_experts
 from .checkpoint.compressed_save import compressed_source, route_save_through_rewriter
 from .checkpoint.manifest import build_manifest, tool_versions
 from .checkpoint.saved_config import fix_saved_expert_counts
 from .fileio import sha256_file, write_json_atomic
+from .layerwise import LayerwiseCut
 from .models import MoEArchitecture, find_moe_architecture
 from .models.loading import register_kimi_auto_classes
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
 from .scores.baselines import baseline_saliency, baseline_scores, layer_number, model_fingerprint
 from .scores.keep_count import KeepCount, PlanError, compute_keep_count
-from .scores.plan import PruningPlan
-from .surgery import apply_plan, check_plan_fits
+from .scores.plan import PruningPlan, check_propagated_cut, cut_plan
+from .surgery import apply_plan, check_plan_fits, update_config_counts
 
 __all__ = ["REAPPruningModifier", "recipe_keeps_experts_packed"]
 
@@ -79,6 +80,14 @@ class REAPPruningModifier(Modifier):
         projection per call (least memory), ``model`` decompresses the whole model
         before calibration (the dense model's memory). Other modifiers in the recipe
         imply ``model``.
+    :param propagate_pruned: cut each MoE layer as soon as its sequential calibration
+        epoch ends, so later layers are observed on the pruned model (llm-compressor's
+        own modifier does this; with the same recipe, data and ``propagate_error`` it
+        keeps the same experts). Default ``false``: every layer is observed on the
+        unpruned model and cut at calibration end, so the scores cut any tier. With
+        the basic pipeline (one epoch for the whole model) both are the same. Its
+        scores file holds only for its own cut; ``reap cut`` and ``scores_in`` refuse
+        another keep count or criterion.
 
     The calibration-free baselines ``router_l1`` (compressed-tensors'
     MagnitudeExpertPruner criterion), ``router_signed_sum`` and ``random`` rank experts
@@ -109,6 +118,7 @@ class REAPPruningModifier(Modifier):
     plan_in: str | None = None
     seed: int = 0
     dequantize: Literal["layer", "expert", "model"] = "layer"
+    propagate_pruned: bool = False
 
     _arch: MoEArchitecture | None = PrivateAttr(default=None)
     _keep: KeepCount | None = PrivateAttr(default=None)
@@ -118,6 +128,9 @@ class REAPPruningModifier(Modifier):
     _cpu_group: object | None = PrivateAttr(default=None)
     _calibrate_all: bool | None = PrivateAttr(default=None)
     _packed: PackedCompute | None = PrivateAttr(default=None)
+    _layerwise: LayerwiseCut | None = PrivateAttr(default=None)
+    _source_fingerprint: str | None = PrivateAttr(default=None)
+    _restore_calibrate_all: bool | None = PrivateAttr(default=None)
 
     # -- validation (before any model work) -----------------------------------------
 
@@ -186,6 +199,11 @@ class REAPPruningModifier(Modifier):
                 "scores_path writes calibration statistics, but with scores_in/plan_in "
                 "nothing is calibrated; remove scores_path"
             )
+        if self.propagate_pruned and not self.calibrates:
+            raise ValueError(
+                "propagate_pruned cuts layers during calibration, but with scores_in, "
+                "plan_in or a weight baseline nothing is calibrated; remove propagate_pruned"
+            )
         self.requires_calibration_data = self.calibrates
         return self
 
@@ -222,8 +240,8 @@ class REAPPruningModifier(Modifier):
             sparsity=self.sparsity,
             num_experts_to_keep=self.num_experts_to_keep,
             divisible_by=self.divisible_by,
-            n_group=arch.n_group if arch.group_limited else None,
-            topk_group=arch.topk_group if arch.group_limited else None,
+            n_group=arch.n_group,
+            topk_group=arch.topk_group,
         )
         logger.info(
             f"REAP: {arch.model_class}: {len(arch.layers)} MoE layers x "
@@ -239,6 +257,12 @@ class REAPPruningModifier(Modifier):
             self._cut_from_weights(state.model)
         else:
             self._observer = SaliencyObserver(arch, self.register_hook, model=state.model)
+            if self.propagate_pruned:
+                # the routers change during calibration: fingerprint the unpruned model
+                self._source_fingerprint = self._fingerprint()
+                self._layerwise = LayerwiseCut(
+                    arch, self._observer, self._cut_args(), self._cpu_group
+                )
         return True
 
     def _prepare_weights(self, model: torch.nn.Module) -> None:
@@ -274,6 +298,23 @@ class REAPPruningModifier(Modifier):
             if not isinstance(m, REAPPruningModifier)
         ]
 
+    def _other_calibrating_modifiers(self) -> list[str]:
+        """Other modifiers of this calibration that need data (the independent
+        pipeline, oneshot's default, calibrates each modifier on its own)."""
+        from llmcompressor.core import active_session
+
+        recipe = active_session().lifecycle.recipe
+        return [
+            type(m).__name__
+            for m in (recipe.modifiers if recipe is not None else [])
+            if m is not self and getattr(m, "requires_calibration_data", False)
+        ]
+
+    def _restore_calibrate_all_flag(self) -> None:
+        if self._restore_calibrate_all is not None:
+            set_calibrate_all_experts(self._restore_calibrate_all)
+            self._restore_calibrate_all = None
+
     def _release_packed(self) -> None:
         if self._packed is not None:
             self._packed.detach()
@@ -286,15 +327,34 @@ class REAPPruningModifier(Modifier):
     def on_calibration_start(self, state: State, event: Event, **kwargs) -> None:
         if self._plan is not None or self._observer is None:
             return
-        self._calibrate_all = get_calibrate_all_experts_flag()
+        self._calibrate_all = calibrate_all_experts()
         if self._calibrate_all:
-            logger.info(
-                "REAP: moe_calibrate_all_experts is on; REAP observes routed tokens only "
-                "(identical scores either way) — turning it off makes calibration cheaper"
-            )
+            others = self._other_calibrating_modifiers()
+            if not others:
+                self._restore_calibrate_all = set_calibrate_all_experts(False)
+                self._calibrate_all = False
+                logger.info(
+                    "REAP: moe_calibrate_all_experts off for this calibration (REAP is the "
+                    "only modifier calibrating and observes routed tokens only; identical "
+                    "scores either way); restored when it ends"
+                )
+            else:
+                logger.info(
+                    f"REAP: moe_calibrate_all_experts left on: {', '.join(others)} also "
+                    "calibrate(s) in this pass (REAP's scores are identical either way)"
+                )
         self._observer.attach()
 
+    def on_sequential_epoch_end(self, state: State, event: Event, **kwargs) -> None:
+        """``propagate_pruned``: cut the layers calibrated in this epoch (those among
+        ``kwargs["modules"]``, else those that observed a forward); otherwise nothing:
+        every layer is cut at calibration end. ``modules`` may be absent, as upstream."""
+        if self._layerwise is not None and self._plan is None:
+            self._observer.reset_pending()
+            self._layerwise.cut(state.model, self._layerwise.pending(kwargs.get("modules")))
+
     def on_calibration_end(self, state: State, event: Event, **kwargs) -> None:
+        self._restore_calibrate_all_flag()
         self.remove_hooks()
         if self._observer is not None:
             self._observer.detach()
@@ -303,6 +363,7 @@ class REAPPruningModifier(Modifier):
             self._decide_and_prune(state.model)
 
     def on_finalize(self, state: State, **kwargs) -> bool:
+        self._restore_calibrate_all_flag()
         self.remove_hooks()
         if self._observer is not None:
             self._observer.detach()
@@ -321,15 +382,21 @@ class REAPPruningModifier(Modifier):
 
     def _decide_and_prune(self, model: torch.nn.Module) -> None:
         self._observer.reset_pending()
+        layerwise = self._layerwise
         # what each rank observed, recorded so that drops or double counts show
-        per_rank = distributed.gather_counts(self._observer.local_counts(), self._cpu_group)
-        # data parallel: every rank holds the global sums before any decision
-        distributed.reduce_accumulators(self._observer.accumulators, self._cpu_group)
+        local = (layerwise.local_counts if layerwise else None) or self._observer.local_counts()
+        per_rank = distributed.gather_counts(local, self._cpu_group)
+        if layerwise is None:
+            # data parallel: every rank holds the global sums before any decision
+            distributed.reduce_accumulators(self._observer.accumulators, self._cpu_group)
+        else:  # layers no epoch cut (reduced as they are cut)
+            done = layerwise.cut_layers
+            layerwise.cut(model, [n for n in self._arch.layer_names if n not in done])
         scores = self._observer.to_scores(
             self.calibration_source,
             metadata={
                 "kind": "calibration",
-                "model_fingerprint": self._fingerprint(),
+                "model_fingerprint": self._source_fingerprint or self._fingerprint(),
                 "model_name_or_path": str(getattr(model, "name_or_path", "") or ""),
                 "calibration": {
                     "source": self.calibration_source,
@@ -341,6 +408,7 @@ class REAPPruningModifier(Modifier):
                     "moe_calibrate_all_experts": self._calibrate_all,
                 },
                 "versions": tool_versions(),
+                "propagate_pruned": layerwise.record() if layerwise else None,
             },
         )
         self._scores = scores
@@ -352,8 +420,31 @@ class REAPPruningModifier(Modifier):
         if self.scores_path is not None and distributed.is_source_process():
             scores.save(self.scores_path)
             logger.info(f"REAP: wrote scores to {self.scores_path}")
+        if layerwise is not None:
+            self._finish_layerwise(model, layerwise)
+            return
         counts = {name: stats["count"] for name, stats in scores.layers.items()}
         self._cut(model, scores.saliency(self.saliency), counts)
+
+    def _finish_layerwise(self, model: torch.nn.Module, layerwise: LayerwiseCut) -> None:
+        """Every layer is pruned: join the pieces, update the config counts, write."""
+        plan = layerwise.plan()
+        plan.params.update(self._plan_params())  # with the observed token counts
+        arch = self._arch
+        update_config_counts(arch.config, arch.count_keys, plan.num_kept)
+        arch.num_experts = plan.num_kept
+        self._plan = plan
+        if layerwise.record() is None:
+            logger.info(
+                "REAP: propagate_pruned: the whole model was one calibration epoch (basic "
+                "pipeline), so every layer was observed on the unpruned model"
+            )
+        logger.info(
+            f"REAP: pruned {len(arch.layers)} MoE layers to {plan.num_kept} of "
+            f"{plan.num_experts} experts, each as its calibration epoch ended"
+        )
+        if distributed.is_source_process():
+            self._write_outputs(plan)
 
     def _load_scores_in(self) -> ExpertScores:
         """Read ``scores_in`` and check it belongs to this model (before any change)."""
@@ -377,13 +468,20 @@ class REAPPruningModifier(Modifier):
                 "router weights (model_fingerprint mismatch)"
             )
         scores.saliency(self.saliency)  # the criterion exists in this file
+        propagated = scores.metadata.get("propagate_pruned")
+        if propagated:
+            try:
+                check_propagated_cut(propagated, self._keep.keep, self.saliency)
+            except PlanError as exc:
+                raise PlanError(f"scores_in {self.scores_in}: {exc}") from exc
         return scores
 
     def _cut_from_file(self, model: torch.nn.Module, scores: ExpertScores) -> None:
         """``scores_in``: the same cut, from statistics computed elsewhere."""
         self._scores = scores
         counts = {n: s["count"] for n, s in scores.layers.items() if "count" in s}
-        self._cut(model, scores.saliency(self.saliency), counts or None)
+        propagated = scores.metadata.get("propagate_pruned")
+        self._cut(model, scores.saliency(self.saliency), counts or None, propagated)
 
     def _cut_from_weights(self, model: torch.nn.Module) -> None:
         """Calibration-free baselines from the router weights alone."""
@@ -398,21 +496,30 @@ class REAPPruningModifier(Modifier):
         model: torch.nn.Module,
         saliency: dict[str, torch.Tensor],
         counts: dict[str, torch.Tensor] | None,
+        propagated: dict | None = None,
     ) -> None:
         arch = self._arch
-        plan = PruningPlan.from_saliency(
-            saliency,
-            self._keep,
-            criterion=self.saliency,
-            n_group=arch.n_group if arch.group_limited else None,
-            params=self._plan_params(),
-            counts=counts,
-        )
+        plan = cut_plan(saliency, counts, log=False, propagated=propagated, **self._cut_args())
         # identical on every rank by construction; rank 0's ids are broadcast anyway
         plan.kept = distributed.broadcast_kept(
             plan.kept, arch.layer_names, self._keep.keep, self._cpu_group
         )
         self._apply(model, plan)
+
+    def _cut_args(self) -> dict:
+        """Keyword arguments of :func:`cut_plan` for this recipe (its count is logged
+        by ``on_initialize``)."""
+        arch = self._arch
+        return {
+            "num_experts": arch.num_experts,
+            "top_k": arch.top_k,
+            "groups": (arch.n_group, arch.topk_group),
+            "sparsity": self.sparsity,
+            "keep": self.num_experts_to_keep,
+            "divisible_by": self.divisible_by,
+            "criterion": self.saliency,
+            "params": self._plan_params(),
+        }
 
     def _apply(self, model: torch.nn.Module, plan: PruningPlan) -> None:
         self._plan = plan
@@ -447,13 +554,11 @@ class REAPPruningModifier(Modifier):
 
     def _plan_params(self) -> dict:
         return {
-            "sparsity": self.sparsity,
-            "num_experts_to_keep_requested": self.num_experts_to_keep,
-            "divisible_by": self.divisible_by,
             "calibration_source": self.calibration_source if self.calibrates else None,
             "scores_in": self.scores_in,
             "seed": self.seed if self.saliency == "random" else None,
             "tokens": self._scores.metadata.get("tokens") if self._scores else None,
+            "propagate_pruned": self.propagate_pruned,
         }
 
     def _write_outputs(self, plan: PruningPlan) -> None:

@@ -32,8 +32,9 @@ from itertools import combinations
 import numpy as np
 import torch
 
+from ..models.config_keys import group_limit
 from ..scores import KIND_CALIBRATION, SOURCE_PREFIX, ExpertScores, ScoresError
-from ..scores.keep_count import KeepCount, group_limit, keep_count_for_scores
+from ..scores.keep_count import KeepCount, keep_count_for_scores
 
 __all__ = [
     "RATIO_THRESHOLD",
@@ -243,7 +244,7 @@ def compare_rankings(
         first, sparsity=sparsity, num_experts_to_keep=keep, divisible_by=divisible_by
     )
     k = keep_count.keep
-    n_group = group_limit(first.metadata)
+    n_group = group_limit(first.metadata.get("n_group"), first.metadata.get("topk_group"))
     num_layers, num_experts = len(layers), first.num_experts
 
     sal: dict[str, np.ndarray] = {}

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..models.config_keys import group_limit
 from ..scores import ExpertScores, ScoresError
-from ..scores.keep_count import group_limit, sparsity_to_keep
+from ..scores.keep_count import sparsity_to_keep
 
 __all__ = [
     "KNEE_THRESHOLD",
@@ -280,12 +281,13 @@ def tiers_report(
 
     :param scores: a scores file (its metadata gives groups) or a saliency dict
     :param keeps: keep counts of the tiers; ``sparsities`` are converted with the
-        keep-count rule's step 1 (``E - round_half_up(s * E)``)
+        keep-count rule's step 1 (``E - int(E * s)``)
     """
     if isinstance(scores, ExpertScores):
         name = saliency or scores.default_saliency
         sal = scores.saliency(name)
-        n_group = n_group or group_limit(scores.metadata)
+        meta = scores.metadata
+        n_group = n_group or group_limit(meta.get("n_group"), meta.get("topk_group"))
     else:
         name, sal = saliency or "saliency", scores
     curve = mass_curve(sal)

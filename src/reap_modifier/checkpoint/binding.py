@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from loguru import logger
 
-from ..models.config_keys import COUNT_KEYS
+from ..models.config_keys import COUNT_KEYS, group_limit
 from ..scores.plan import PlanError, PruningPlan
 from .errors import CheckpointError
 from .layout import (
@@ -294,7 +294,7 @@ def bind_plan(
             f"the plan keeps {keep} experts per layer, fewer than top-k={top_k} in config.json"
         )
     n_group, topk_group = layout.groups
-    if n_group and n_group > 1 and (topk_group or n_group) < n_group:
+    if group_limit(n_group, topk_group) is not None:
         if E % n_group or keep % n_group:
             raise PlanError(
                 f"{E} -> {keep} experts do not split into n_group={n_group} equal groups"

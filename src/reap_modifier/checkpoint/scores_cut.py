@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..scores import ExpertScores
-from ..scores.keep_count import compute_keep_count
-from ..scores.plan import PruningPlan
+from ..scores.plan import PruningPlan, cut_plan
 from .binding import resolve_block
 from .errors import CheckpointError
 
@@ -78,31 +77,16 @@ def build_plan_from_scores(
     n_group, topk_group = layout.groups
     if n_group is None:
         n_group, topk_group = meta.get("n_group"), meta.get("topk_group")
-    grouped = bool(n_group and n_group > 1 and (topk_group or n_group) < n_group)
-    kc = compute_keep_count(
-        E,
-        int(top_k),
-        sparsity=sparsity,
-        num_experts_to_keep=keep,
-        divisible_by=divisible_by,
-        n_group=n_group,
-        topk_group=topk_group,
-    )
-    sal = scores.saliency(saliency)
     counts = {layer: stats["count"] for layer, stats in scores.layers.items() if "count" in stats}
-    params = {
-        "sparsity": sparsity,
-        "keep": keep,
-        "divisible_by": divisible_by,
-        "n_group": n_group,
-        "topk_group": topk_group,
-        "top_k": int(top_k),
-    }
-    return PruningPlan.from_saliency(
-        sal,
-        kc,
+    return cut_plan(
+        scores.saliency(saliency),
+        counts or None,
+        num_experts=E,
+        top_k=int(top_k),
+        groups=(n_group, topk_group),
+        sparsity=sparsity,
+        keep=keep,
+        divisible_by=divisible_by,
         criterion=saliency,
-        n_group=n_group if grouped else None,
-        params=params,
-        counts=counts or None,
+        propagated=meta.get("propagate_pruned"),
     )

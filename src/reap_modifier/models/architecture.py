@@ -23,6 +23,7 @@ from .config_keys import (
     TOP_K_KEYS,
     TOPK_GROUP_KEYS,
     first_key,
+    group_limit,
     text_config,
 )
 
@@ -72,7 +73,7 @@ class MoEArchitecture:
 
     @property
     def group_limited(self) -> bool:
-        return bool(self.n_group and self.n_group > 1 and (self.topk_group or 1) < self.n_group)
+        return group_limit(self.n_group, self.topk_group) is not None
 
     @property
     def layer_names(self) -> list[str]:

@@ -13,6 +13,7 @@ __all__ = [
     "TOPK_GROUP_KEYS",
     "TOP_K_KEYS",
     "first_key",
+    "group_limit",
     "text_config",
 ]
 
@@ -50,3 +51,19 @@ def first_key(config, keys) -> tuple[str | None, object]:
         if value is not None:
             return key, value
     return None, None
+
+
+def group_limit(n_group: int | None, topk_group: int | None) -> int | None:
+    """The number of expert groups a cut must keep equally filled, or ``None``.
+
+    A router is group-limited when it first picks ``topk_group`` of ``n_group`` expert
+    groups and then the top-k experts inside them (DeepSeek-V3, Kimi): only then must
+    every group keep the same number of experts. ``n_group`` of ``None`` or 1, or
+    ``topk_group >= n_group`` (every group always picked), is not group-limited. An
+    absent ``topk_group`` reads as 1, the default of the Kimi modeling code, which
+    limits routing whenever ``n_group > 1``.
+    """
+    if n_group is None or int(n_group) <= 1:
+        return None
+    picked = 1 if topk_group is None else int(topk_group)
+    return int(n_group) if picked < int(n_group) else None

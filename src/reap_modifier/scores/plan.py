@@ -18,13 +18,16 @@ import torch
 from loguru import logger
 
 from ..fileio import write_json_atomic
-from .keep_count import KeepCount, PlanError, group_limit, keep_count_for_scores
+from ..models.config_keys import group_limit
+from .keep_count import KeepCount, PlanError, compute_keep_count, group_args
 
 __all__ = [
     "PLAN_FORMAT",
     "PLAN_VERSION",
     "PlanError",
     "PruningPlan",
+    "check_propagated_cut",
+    "cut_plan",
     "plan_from_scores",
     "retained_mass",
     "select_experts",
@@ -263,7 +266,84 @@ class PruningPlan:
             raise PlanError(f"plan file {path}: {exc}") from exc
 
 
-# -- cutting a scores file ------------------------------------------------------------
+# -- the cut -------------------------------------------------------------------------------
+
+
+def cut_plan(
+    saliency: dict[str, torch.Tensor],
+    counts: dict[str, torch.Tensor] | None,
+    *,
+    num_experts: int,
+    top_k: int,
+    groups: tuple[int | None, int | None] = (None, None),
+    sparsity: float | None = None,
+    keep: int | None = None,
+    divisible_by: int | None = None,
+    criterion: str = "reap",
+    params: dict | None = None,
+    log: bool = True,
+    propagated: dict | None = None,
+) -> PruningPlan:
+    """Cut per-layer saliency into a :class:`PruningPlan` with the keep-count rule.
+
+    The one cut behind the modifier, ``reap cut`` and ``reap prune --scores``.
+
+    :param saliency: layer name -> per-expert saliency (higher is kept)
+    :param counts: layer name -> per-expert routed counts (marks never-routed experts)
+    :param groups: ``(n_group, topk_group)`` of the router
+    :param sparsity: fraction to drop (exclusive with ``keep``)
+    :param keep: experts to keep per layer (``num_experts_to_keep``)
+    :param params: extra parameters recorded in the plan
+    :param log: log the keep count's adjustments
+    :param propagated: the ``propagate_pruned`` record of the scores being cut
+        (``{"keep", "saliency", ...}``); only that cut is allowed
+    :raises PlanError: the keep count is invalid for this router, or differs from the
+        cut a ``propagate_pruned`` scores file was measured under
+    """
+    n_group, topk_group = groups
+    count = compute_keep_count(
+        num_experts,
+        top_k,
+        sparsity=sparsity,
+        num_experts_to_keep=keep,
+        divisible_by=divisible_by,
+        n_group=n_group,
+        topk_group=topk_group,
+        log=log,
+    )
+    if propagated:
+        check_propagated_cut(propagated, count.keep, criterion)
+    recorded = {
+        "sparsity": sparsity,
+        "num_experts_to_keep_requested": keep,
+        "divisible_by": divisible_by,
+        "top_k": top_k,
+        "n_group": n_group,
+        "topk_group": topk_group,
+    }
+    recorded.update(params or {})
+    return PruningPlan.from_saliency(
+        saliency,
+        count,
+        criterion=criterion,
+        n_group=group_limit(n_group, topk_group),
+        params=recorded,
+        counts=counts,
+    )
+
+
+def check_propagated_cut(propagated: dict, keep: int, criterion: str) -> None:
+    """Refuse to cut ``propagate_pruned`` statistics at any cut but their own."""
+    if keep == propagated.get("keep") and criterion == propagated.get("saliency"):
+        return
+    raise PlanError(
+        f"these scores were calibrated with propagate_pruned: every MoE layer after the "
+        f"first was observed on a model whose earlier layers were already cut to "
+        f"{propagated.get('keep')} experts by {propagated.get('saliency')!r}, so they hold "
+        f"only for that cut; this asks for {keep} by {criterion!r}. Cut them at "
+        f"{propagated.get('keep')} by {propagated.get('saliency')!r}, or calibrate with "
+        "propagate_pruned: false (statistics of the unpruned model cut any tier)"
+    )
 
 
 def plan_from_scores(
@@ -277,37 +357,30 @@ def plan_from_scores(
 ) -> PruningPlan:
     """Cut a scores file into a :class:`PruningPlan` (what ``reap cut`` does).
 
-    The same keep-count rule as the modifier (``top_k``, ``n_group``, ``topk_group``
-    from the scores metadata); ``saliency=None`` means the file's default (``reap``
-    for calibration files, the method of a baseline file).
+    ``top_k``, ``n_group`` and ``topk_group`` come from the scores metadata;
+    ``saliency=None`` means the file's default (``reap`` for calibration files, the
+    method of a baseline file).
     """
     name = saliency or scores.default_saliency
-    keep = keep_count_for_scores(
-        scores,
-        sparsity=sparsity,
-        num_experts_to_keep=num_experts_to_keep,
-        divisible_by=divisible_by,
-    )
-    sal = scores.saliency(name)
+    top_k, n_group, topk_group = group_args(scores.metadata)
     counts = None
     if all("count" in st for st in scores.layers.values()):
         counts = {layer: st["count"] for layer, st in scores.layers.items()}
-    all_params = {
-        "sparsity": sparsity,
-        "num_experts_to_keep_requested": num_experts_to_keep,
-        "divisible_by": divisible_by,
-        "top_k": scores.metadata.get("top_k"),
-        "n_group": scores.metadata.get("n_group"),
-        "topk_group": scores.metadata.get("topk_group"),
+    recorded = {
         "model_class": scores.metadata.get("model_class"),
         "scores_kind": scores.kind,
     }
-    all_params.update(params or {})
-    return PruningPlan.from_saliency(
-        sal,
-        keep,
+    recorded.update(params or {})
+    return cut_plan(
+        scores.saliency(name),
+        counts,
+        num_experts=scores.num_experts,
+        top_k=top_k,
+        groups=(n_group, topk_group),
+        sparsity=sparsity,
+        keep=num_experts_to_keep,
+        divisible_by=divisible_by,
         criterion=name,
-        n_group=group_limit(scores.metadata),
-        params=all_params,
-        counts=counts,
+        params=recorded,
+        propagated=scores.metadata.get("propagate_pruned"),
     )

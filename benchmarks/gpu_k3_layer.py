@@ -1,0 +1,300 @@
+"""One Kimi-K3-shaped MoE layer on a GPU: plain forward vs forward with REAP's observer
+vs forward on MXFP4-packed experts dequantized by this package, side by side.
+
+The shape is the one ``benchmarks/k3_scale.py`` assumes for K3: hidden 7168, latent
+(``routed_expert_hidden_size``) 3584, expert intermediate 2048, 896 routed experts,
+top-16, one shared expert. A one-MoE-layer checkpoint is written with random MXFP4
+experts (``tests/k3_mxfp4_synth.py``: 10.5 GB packed, 39 GB as bf16), then loaded
+twice onto the device: decompressed there (bf16) and packed. Over ``--tokens`` tokens of random hidden
+states (batches of ``--seq``), timed with CUDA events, median of ``--repeats``:
+
+- ``plain``: the MoE block's forward, dense bf16 experts, routed dispatch;
+- ``observer``: the same with this package's calibration hooks attached;
+- ``packed``: packed experts, dequantized one MoE layer at a time with
+  compressed-tensors' decompressor (``PackedCompute("layer")``: what calibration of a
+  packed checkpoint does; attached afresh for every pass, so each pass pays the
+  dequantization of every expert that receives tokens), with the observer;
+- ``packed/expert``: the same, one expert projection at a time.
+
+Prints tokens/s and ratios to ``plain``. ``--device cpu --small`` runs a small shape
+on CPU (to check the script anywhere).
+
+Dependencies: torch, transformers, llm-compressor 0.14.0.1, compressed-tensors 0.19.0
+and this package. ``datasets`` is not needed: if it cannot be imported (e.g. no
+``pyarrow``), an empty stand-in is registered so llm-compressor's package imports.
+
+    python benchmarks/gpu_k3_layer.py --device cuda [--tokens 4096] [--seq 512]
+    python benchmarks/gpu_k3_layer.py --device cpu --small
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the synthetic MXFP4 checkpoint writer
+
+
+def _stand_in(name: str) -> types.ModuleType:
+    """A module whose every attribute is a fresh empty class (imports and type hints
+    of llm-compressor's data code resolve; nothing here calls them)."""
+
+    class StandIn(types.ModuleType):
+        def __getattr__(self, attr):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            value = type(attr, (), {})
+            setattr(self, attr, value)
+            return value
+
+    module = StandIn(name)
+    module.__path__ = []  # a package: submodules resolve through the finder below
+    module.__version__ = "0.0.0"
+    return module
+
+
+class _StandInFinder:
+    """Serves stand-ins for ``datasets`` and its submodules."""
+
+    def __init__(self, roots: set[str]):
+        self.roots = roots
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] in self.roots:
+            import importlib.machinery
+
+            return importlib.machinery.ModuleSpec(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        return _stand_in(spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+def prepare_imports(simulate_missing: list[str]) -> list[str]:
+    """Stand in for ``datasets`` when it cannot be imported; returns what was stood in."""
+    blocked = set(simulate_missing)
+    missing = []
+    for name in ("datasets",):
+        try:
+            if name in blocked:
+                raise ImportError(f"{name} (simulated missing)")
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - any import failure: stand in
+            for key in [k for k in sys.modules if k.split(".")[0] == name]:
+                del sys.modules[key]
+            missing.append(name)
+    if missing:
+        sys.meta_path.insert(0, _StandInFinder(set(missing)))
+    return missing
+
+
+def shapes(small: bool):
+    from k3_mxfp4_synth import K3Shape
+
+    if small:
+        return K3Shape(
+            hidden=256,
+            latent=128,
+            inter=128,
+            experts=64,
+            top_k=8,
+            moe_layers=1,
+            dense_layers=1,
+            vocab=512,
+            n_group=1,
+            topk_group=1,
+        )
+    return K3Shape(
+        hidden=7168,
+        latent=3584,
+        inter=2048,
+        experts=896,
+        top_k=16,
+        moe_layers=1,
+        dense_layers=1,
+        vocab=512,
+        n_group=1,
+        topk_group=1,
+    )
+
+
+def load(path: Path, packed: bool, device: str):
+    """The checkpoint on ``device``, packed, or decompressed there by compressed-tensors'
+    own decompress-on-first-forward hook (fast on a GPU; on load it runs on the CPU)."""
+    import torch
+    from llmcompressor.modeling.kimi_k3.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    model = KimiK3ForConditionalGeneration.from_pretrained(
+        str(path),
+        dtype=torch.bfloat16,
+        quantization_config=CompressedTensorsConfig(dequantize=False),
+    ).eval()
+    model = model.to(device)
+    if not packed:
+        handle = model.ct_decompress_hook
+        model._forward_pre_hooks[handle.id](model, ())
+        handle.remove()
+    return model
+
+
+class Timer:
+    def __init__(self, device: str):
+        import torch
+
+        self.cuda = device.startswith("cuda")
+        self.torch = torch
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            start = self.torch.cuda.Event(enable_timing=True)
+            end = self.torch.cuda.Event(enable_timing=True)
+            self.torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            self.torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1000.0
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+
+def observer_on(model):
+    from reap_modifier.calibration.observer import SaliencyObserver
+    from reap_modifier.models import find_moe_architecture
+
+    handles: list = []
+
+    def register(module, fn, hook_type, **kwargs):
+        handles.append(getattr(module, f"register_{hook_type}_hook")(fn, **kwargs))
+
+    observer = SaliencyObserver(find_moe_architecture(model), register)
+    observer.attach()
+
+    def off():
+        observer.detach()
+        for h in handles:
+            h.remove()
+
+    return off
+
+
+def moe_block(model):
+    from reap_modifier.models import find_moe_architecture
+
+    (layer,) = find_moe_architecture(model).layers
+    return layer.block
+
+
+def run_pass(block, batches):
+    import torch
+
+    with torch.no_grad():
+        for x in batches:
+            block(x)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="a small shape (CPU check)")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workdir", default=None, help="where to write the checkpoint")
+    parser.add_argument("--simulate-missing", default="", help="e.g. datasets (to test)")
+    args = parser.parse_args()
+
+    stood_in = prepare_imports([m for m in args.simulate_missing.split(",") if m])
+    import torch
+    from k3_mxfp4_synth import write_k3_mxfp4
+
+    torch.manual_seed(0)
+    shape = shapes(args.small)
+    tmp = tempfile.TemporaryDirectory(dir=args.workdir)
+    path = Path(tmp.name) / "k3-layer"
+    t0 = time.perf_counter()
+    sizes = write_k3_mxfp4(path, shape)
+    print(f"checkpoint written in {time.perf_counter() - t0:.0f} s: {sizes}", flush=True)
+
+    gen = torch.Generator().manual_seed(0)
+    n = max(1, args.tokens // args.seq)
+    batches = [
+        (torch.randn(1, args.seq, shape.hidden, generator=gen) * 0.5)
+        .to(torch.bfloat16)
+        .to(args.device)
+        for _ in range(n)
+    ]
+    timer = Timer(args.device)
+    results: dict[str, list[float]] = {}
+
+    dense = load(path, packed=False, device=args.device)
+    block = moe_block(dense)
+    run_pass(block, batches[:1])  # warm-up
+
+    def observed():
+        off = observer_on(dense)
+        try:
+            run_pass(block, batches)
+        finally:
+            off()
+
+    packed_model = load(path, packed=True, device=args.device)
+    packed_block = moe_block(packed_model)
+
+    def packed(granularity):
+        from reap_modifier.calibration.packed import PackedCompute
+
+        def go():
+            off = observer_on(packed_model)
+            compute = PackedCompute(packed_model, granularity)
+            compute.attach()
+            try:
+                run_pass(packed_block, batches)
+            finally:
+                compute.detach()
+                off()
+
+        return go
+
+    variants = {
+        "plain": lambda: run_pass(block, batches),
+        "observer": observed,
+        "packed": packed("layer"),
+        "packed/expert": packed("expert"),
+    }
+    packed("layer")()  # warm-up of the packed path (decompressor, kernels)
+    for _ in range(args.repeats):
+        for name, fn in variants.items():
+            results.setdefault(name, []).append(timer(fn))
+            print(f"  {name}: {results[name][-1]:.3f} s", flush=True)
+
+    tokens = n * args.seq
+    plain = statistics.median(results["plain"])
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(
+        f"\nOne K3-shaped MoE layer ({shape.experts} experts, top-{shape.top_k}, hidden "
+        f"{shape.hidden}, latent {shape.latent}, expert inter {shape.inter}), {tokens} tokens "
+        f"({n} x {args.seq}), median of {args.repeats}, {gpu}; torch {torch.__version__}"
+        + (f"; stood in: {', '.join(stood_in)}" if stood_in else "")
+    )
+    print(f"{'variant':<16} {'seconds':>9} {'tokens/s':>11} {'x plain':>8}")
+    for name, ts in results.items():
+        s = statistics.median(ts)
+        print(f"{name:<16} {s:9.3f} {tokens / s:11.0f} {s / plain:8.2f}")
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
