@@ -179,17 +179,17 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | N
     from ..analysis.tiers import tiers_report
     from ..checkpoint import rewrite_checkpoint
     from ..checkpoint.verify import verify_checkpoint
-    from ..scores import ExpertScores
-    from ..scores.baselines import scores_from_weights
-    from ..scores.plan import plan_from_scores, retained_mass
-    from . import data as D
-    from .evaluate import (
+    from ..evaluation import (
         evaluate_models,
         greedy_generate,
         paired_difference,
         repetition_stats,
         zero_routed_experts,
     )
+    from ..scores import ExpertScores
+    from ..scores.baselines import scores_from_weights
+    from ..scores.plan import plan_from_scores, retained_mass
+    from . import data as D
 
     if cfg.quick:
         cfg = DemoConfig(**{**asdict(cfg), **QUICK})
