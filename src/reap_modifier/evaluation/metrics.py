@@ -127,6 +127,8 @@ def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict:
 
 # ----------------------------------------------------------------------------- KL from top-N
 
+TAIL_EPS = 1e-6
+
 
 def topn_kl(
     ref_ids: torch.Tensor,
@@ -155,7 +157,8 @@ def topn_kl(
     ``A``. The estimate is exact when ``m = 0`` and its deficit is at most ``m`` times the
     divergence of the tails: the reported ``m`` (``kl_tail_mass``) says how much was left out.
     No upper bound follows from top-N values alone (the candidate may put arbitrarily little
-    mass on a tail token). Returns ``(kl_est, m)``, both ``[M]`` float64.
+    mass on a tail token). Leftover masses below ``TAIL_EPS`` (1e-6) count as 0: they are the
+    rounding of summed float32 probabilities. Returns ``(kl_est, m)``, both ``[M]`` float64.
     """
     p_lp = ref_logprobs.double()
     q_lp = cand_logprobs.double()
@@ -168,10 +171,11 @@ def topn_kl(
     head = torch.where(known, p * (p_lp - q_at), torch.zeros_like(p_lp)).sum(-1)
     m = (1.0 - p.sum(-1)).clamp_min(0.0)
     r = (1.0 - q.sum(-1)).clamp_min(0.0)
+    # leftover masses below TAIL_EPS are the rounding of float32 log-probs summed, not mass
     tail = torch.where(
-        m > 0, m * (torch.log(m.clamp_min(1e-300)) - torch.log(r.clamp_min(1e-300))), 0.0
+        m > TAIL_EPS, m * (torch.log(m.clamp_min(TAIL_EPS)) - torch.log(r.clamp_min(TAIL_EPS))), 0.0
     )
-    return (head + tail).clamp_min(0.0), m
+    return (head + tail).clamp_min(0.0), torch.where(m > TAIL_EPS, m, 0.0)
 
 
 # ----------------------------------------------------------------------------- repetition

@@ -43,6 +43,7 @@ class Settings:
     window_tokens: int = 256
     windows: int = 64
     seed: int = 1234
+    prompt_seed: int | None = None  # None: seed + 7
     prompts: int = 8
     prompt_tokens: int = 16
     gen_tokens: int = 48
@@ -112,7 +113,8 @@ def prepare(
             msg = str(exc)
             where = f"--text {label}={path}"
             raise EvalInputError(msg if msg.startswith(str(path)) else f"{where}: {msg}") from None
-        prompts[label] = pick_prompts(records[label], tok, s.prompts, s.prompt_tokens, s.seed + 7)
+        pseed = s.seed + 7 if s.prompt_seed is None else s.prompt_seed
+        prompts[label] = pick_prompts(records[label], tok, s.prompts, s.prompt_tokens, pseed)
         if s.prompts and len(prompts[label]) < s.prompts:
             notes.append(
                 f"{label}: only {len(prompts[label])} paragraphs hold {s.prompt_tokens + 4} tokens "
