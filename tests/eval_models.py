@@ -18,16 +18,18 @@ KEPT = {"qwen3_moe": [[1, 2, 5, 7], [0, 3, 4, 6]], "olmoe": [[2, 3, 5, 6], [0, 1
 
 
 def make_eval_tokenizer(vocab: int = 128):
-    """Word-level tokens ``t0..t{vocab-1}`` with ``t1`` as end-of-text (a separator between
-    paragraphs, as real tokenizers have)."""
+    """Word-level tokens ``t2..t{vocab-1}`` plus ``<unk>`` (0) and ``<eos>`` (1), the end-of-text
+    separator between paragraphs (special tokens must not be prefixes of words: added tokens
+    are matched inside words)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    words = {"<unk>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, vocab)}}
+    tk = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tk.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tk, unk_token="t0", pad_token="t0", eos_token="t1"
+        tokenizer_object=tk, unk_token="<unk>", pad_token="<unk>", eos_token="<eos>"
     )
 
 
@@ -75,3 +77,54 @@ def write_text(
             )
         )
     return path
+
+
+LOCAL_TASK = """task: reap_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{query}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def write_local_task(root: Path, docs: int = 24, seed: int = 0) -> tuple[Path, list[dict]]:
+    """An lm-eval multiple-choice task (YAML + JSON data) in ``root``: a query of 8 random
+    tokens, 4 one-token choices, a random label. Returns the directory and the documents."""
+    rng = random.Random(seed)
+    rows = [
+        {
+            "query": " ".join(f"t{rng.randrange(2, 128)}" for _ in range(8)),
+            "choices": [f"t{c}" for c in rng.sample(range(2, 128), 4)],
+            "label": rng.randrange(4),
+        }
+        for _ in range(docs)
+    ]
+    root.mkdir(parents=True, exist_ok=True)
+    data = root / "reap_tiny_mc.json"
+    data.write_text(json.dumps(rows))
+    (root / "reap_tiny_mc.yaml").write_text(LOCAL_TASK.format(data=data))
+    return root, rows
+
+
+def mc_accuracy(model, rows: list[dict]) -> float:
+    """The oracle: pick the choice whose token is likeliest after the query (float32)."""
+    tok = make_eval_tokenizer()
+    hits = 0
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor([tok.encode(r["query"], add_special_tokens=False)])
+            lp = torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), -1)
+            ll = [float(lp[tok.convert_tokens_to_ids(c)]) for c in r["choices"]]
+            hits += int(max(range(4), key=lambda i: ll[i]) == r["label"])
+    return hits / len(rows)

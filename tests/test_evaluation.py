@@ -250,3 +250,21 @@ def test_report_files_and_json_schema(ckpts, run1, tmp_path):
     md = paths["md"].read_text()
     assert main_table(res) in md and "ΔNLL" in md
     assert f"| {ckpts['pruned']} | en | {res['models'][ckpts['pruned']]['en']['nll']:.4f}" in md
+
+
+# ----------------------------------------------------------------------------- lm-eval
+
+
+def test_lm_eval_local_task_through_transformers_equals_the_oracle(ckpts, tmp_path):
+    pytest.importorskip("lm_eval")
+    from eval_models import mc_accuracy, write_local_task
+
+    task_dir, rows = write_local_task(tmp_path / "tasks")
+    s = Settings(**SMALL, dtype="float32", lm_eval_tasks=["reap_tiny_mc"],
+                 lm_eval_include=str(task_dir))  # fmt: skip
+    res = evaluate(prepare(ckpts["src"], [ckpts["pruned"]], ckpts["texts"], s))
+    for name in (ckpts["src"], ckpts["pruned"]):
+        acc = res["lm_eval"]["results"][name]["reap_tiny_mc"]["acc"]
+        assert acc["value"] == pytest.approx(mc_accuracy(_model(name), rows))
+        want_se = math.sqrt(acc["value"] * (1 - acc["value"]) / (len(rows) - 1))
+        assert acc["stderr"] == pytest.approx(want_se, rel=1e-6)
