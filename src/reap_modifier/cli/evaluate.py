@@ -5,7 +5,8 @@ in turn).
 Everything is checked before any model loads: labels, text files (long enough for the windows),
 checkpoints (each a directory with config.json, one vocabulary and tokenizer), the vLLM Python.
 Bad input exits with code 2 and one line saying what to change; a model that fails to load also
-exits 2, naming it; Ctrl-C / SIGTERM exits 130.
+exits 2, naming it; a vLLM server that dies or answers an error exits 1 with its log's last
+lines; Ctrl-C / SIGTERM exits 130 (vLLM servers stopped, nothing written).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import typer
 
-from .common import EXIT_INTERRUPTED, console, fail
+from .common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, console, fail
 
 __all__ = ["register"]
 
@@ -116,6 +117,8 @@ def register(app: typer.Typer) -> None:
         """What a cut cost: NLL, paired ΔNLL, top-1 agreement, KL and greedy repeat runs of candidates against a reference."""
         from ..evaluation import EvalInputError, Settings, evaluate, prepare
         from ..evaluation.report import main_table, write_outputs
+        from ..serving.server import ServerError
+        from .checkpoint import _interruptible
 
         labels = _texts(text)
         for name, v, lo in (
@@ -135,7 +138,7 @@ def register(app: typer.Typer) -> None:
             from ..evaluation.lm_eval import LmEvalMissing, check_lm_eval
 
             try:
-                check_lm_eval(tasks, lm_eval_include)
+                check_lm_eval(tasks, lm_eval_include, backend)
             except (LmEvalMissing, ValueError) as exc:
                 fail(exc)
         settings = Settings(
@@ -150,12 +153,15 @@ def register(app: typer.Typer) -> None:
         )  # fmt: skip
         log = lambda s: typer.echo(s, err=True)  # noqa: E731
         try:
-            prep = prepare(str(reference), [str(c) for c in candidates], labels, settings)
-            for note in prep.notes:
-                typer.echo(f"note: {note}", err=True)
-            res = evaluate(prep, log=log, command=shlex.join(["reap", *sys.argv[1:]]))
+            with _interruptible():  # SIGTERM takes Ctrl-C's path: vLLM servers are stopped
+                prep = prepare(str(reference), [str(c) for c in candidates], labels, settings)
+                for note in prep.notes:
+                    typer.echo(f"note: {note}", err=True)
+                res = evaluate(prep, log=log, command=shlex.join(["reap", *sys.argv[1:]]))
         except EvalInputError as exc:
             fail(exc)
+        except ServerError as exc:  # a vLLM server that died or answered an error: its log tail
+            fail(f"vLLM: {exc}", EXIT_CHECK_FAILED)
         except KeyboardInterrupt:
             fail("interrupted: nothing was written", EXIT_INTERRUPTED)
         console.print(main_table(res), markup=False, highlight=False, soft_wrap=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 __all__ = ["LmEvalMissing", "check_lm_eval", "run_on_model", "run_on_server", "summarize"]
 
-INSTALL = "pip install 'reap-modifier[eval]' (lm-eval 0.4.13)"
+INSTALL = "pip install 'reap-modifier[eval]' (lm-eval[api] 0.4.13)"
 
 
 class LmEvalMissing(RuntimeError):
@@ -31,8 +31,22 @@ def _task_manager(include_path: str | Path | None):
     return TaskManager(include_path=str(include_path) if include_path else None)
 
 
-def check_lm_eval(tasks: list[str], include_path: str | Path | None = None) -> None:
-    """Raise :class:`LmEvalMissing` without lm-eval, ``ValueError`` for an unknown task."""
+def check_lm_eval(
+    tasks: list[str], include_path: str | Path | None = None, backend: str = "transformers"
+) -> None:
+    """Raise :class:`LmEvalMissing` without lm-eval (or, for vLLM, without its API model's
+    packages), ``ValueError`` for an unknown task."""
+    if backend == "vllm":
+        import importlib.util
+
+        missing = [
+            m for m in ("tenacity", "aiohttp", "requests") if not importlib.util.find_spec(m)
+        ]
+        if missing:
+            raise LmEvalMissing(
+                f"--lm-eval with --backend vllm needs lm-eval's API model ({', '.join(missing)} "
+                f"missing): {INSTALL}"
+            )
     if include_path is not None and not Path(include_path).is_dir():
         raise ValueError(f"--lm-eval-include {include_path} is not a directory of task YAMLs")
     tm = _task_manager(include_path)
