@@ -13,6 +13,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip
   # the CPU wheel of torch 2.13.0 (a plain `torch` requirement would pull a CUDA build)
   .venv/bin/pip install -q "torch==2.13.0"
-  .venv/bin/pip install -q -e ".[test]"
+  .venv/bin/pip install -q -e ".[test,eval]"
   touch "$stamp"
 fi

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from reap_modifier.demo.data import load_split
-from reap_modifier.demo.evaluate import evaluate_models
+from reap_modifier.evaluation import evaluate_models
 
 
 def load_texts(data_dir: str | Path | None, lang: str, split: str) -> list[str]:

@@ -549,3 +549,42 @@ def test_summary_tables_for_the_readme(demo_run):
     assert cells[6:9] == [f"{q['reap_en'][l]['kl']:.4f}" for l in LANGS]
     f = res["flips_by_sparsity"]["0.5"]
     assert f"{f['pairs']['B->C']['flips']} / {f['kept_slots']} =" in proc.stdout
+
+
+def test_reap_eval_reproduces_the_main_jobs_numbers(demo_run, tmp_path):
+    """``reap eval`` on the job's source and two of its pruned checkpoints, with the job's window
+    and prompt settings on its evaluation splits, gives the job's NLL, top-1, KL and repeat runs
+    (the same implementation, the same windows)."""
+    from typer.testing import CliRunner
+
+    from reap_modifier.cli import app
+
+    out, res = demo_run["out"], demo_run["results"]
+    cfg = res["config"]
+    names = ("reap_en", "reap_en_zh_code")
+    args = ["eval", str(demo_run["model"]), *(str(out / "pruned" / n) for n in names)]
+    for lang in LANGS:
+        args += ["--text", f"{lang}={demo_run['data'] / lang / 'eval.jsonl'}"]
+    args += [
+        "--windows", cfg["eval_windows"], "--window-tokens", cfg["eval_seq_len"],
+        "--seed", cfg["eval_seed"], "--chunk", cfg["eval_chunk"], "--dtype", cfg["dtype"],
+        "--prompts", cfg["prompts_per_lang"], "--prompt-tokens", cfg["prompt_tokens"],
+        "--prompt-seed", cfg["seed"] + 7, "--gen-tokens", cfg["gen_tokens"], "-o", tmp_path,
+    ]  # fmt: skip
+    r = CliRunner().invoke(app, [str(a) for a in args])
+    assert r.exit_code == 0, r.output
+    ev = json.loads((tmp_path / "eval.json").read_text())
+    q = res["eval"]["quality"]
+    for job_name, path in (("unpruned", str(demo_run["model"])),) + tuple(
+        (n, str(out / "pruned" / n)) for n in names
+    ):
+        for lang in LANGS:
+            got, want = ev["models"][path][lang], q[job_name][lang]
+            assert got["tokens"] == want["tokens"]
+            assert got["nll"] == pytest.approx(want["nll"], rel=1e-6)
+            assert got["nll_per_window"] == pytest.approx(want["nll_per_window"], rel=1e-6)
+            assert got["top1"] == pytest.approx(want["top1_agreement"], abs=1e-12)
+            if job_name != "unpruned":
+                assert got["kl"] == pytest.approx(want["kl"], rel=1e-5, abs=1e-9)
+            gens = res["generations"]["summary"][job_name][lang]
+            assert got["repeat_run_max"] == gens["max_repeat_run_tokens"]

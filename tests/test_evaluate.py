@@ -1,4 +1,4 @@
-"""``reap_modifier.demo.evaluate``: NLL / perplexity, top-1 agreement and KL against a reference model,
+"""``reap_modifier.evaluation`` (the main job's metrics): NLL / perplexity, top-1 agreement and KL against a reference model,
 greedy generation and the longest repeated-substring run -- against brute-force references on tiny
 random models (a two-layer toy LM and a tiny random Kimi-K3-architecture model)."""
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from eval_helpers import evaluate_model
 
-from reap_modifier.demo.evaluate import (
+from reap_modifier.evaluation import (
     WindowMetrics,
     evaluate_models,
     greedy_generate,
@@ -271,7 +271,7 @@ def test_zero_routed_experts_equals_zeroed_down_projections():
     pytest.importorskip("llmcompressor")
     from tiny_models import build_tiny
 
-    from reap_modifier.demo.evaluate import zero_routed_experts
+    from reap_modifier.evaluation import zero_routed_experts
 
     model, info = build_tiny("kimi_k3", seed=0, dtype=torch.float32)
     ref, _ = build_tiny("kimi_k3", seed=0, dtype=torch.float32)

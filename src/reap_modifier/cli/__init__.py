@@ -3,6 +3,7 @@
 - ``reap scores merge|show|from-weights``, ``reap cut``: :mod:`.scores`
 - ``reap tiers``, ``reap compare``: :mod:`.analysis`
 - ``reap prune``, ``reap verify``: :mod:`.checkpoint`
+- ``reap eval``: :mod:`.evaluate`
 
 Exit codes (every command): 0 ok; 1 a check failed (``reap verify`` found a problem,
 or a rewrite failed after its inputs were accepted); 2 usage or bad input (the
@@ -45,7 +46,7 @@ def _main(
     """REAP expert pruning: scores, plans, checkpoint surgery and verification."""
 
 
-for _module in ("scores", "analysis", "checkpoint"):
+for _module in ("scores", "analysis", "checkpoint", "evaluate"):
     import_module(f"{__name__}.{_module}").register(app)
 
 if __name__ == "__main__":  # pragma: no cover

@@ -14,7 +14,7 @@ do to quality -- measured end to end on the bundled MXFP4 Kimi-K3-architecture m
    verbatim) and checked by :func:`~reap_modifier.checkpoint.verify.verify_checkpoint` against the source.
 3. **Evaluate** the unpruned model, every pruned checkpoint and (for scale) the unpruned model with
    every routed expert's output zeroed on held-out English / Chinese / code windows
-   (:mod:`reap_modifier.demo.evaluate`): NLL / perplexity, top-1 agreement and KL to the unpruned model,
+   (:mod:`reap_modifier.evaluation`): NLL / perplexity, top-1 agreement and KL to the unpruned model,
    longest repeat run in greedy generations.
 4. **Flip table** of rankings A, B, C, D at 50% (and 25% / 75%)
    (:func:`~reap_modifier.analysis.compare.compare_rankings`).

@@ -439,7 +439,7 @@ def prune_one(
 
 def load_models(cfg: DemoConfig, model_dir: Path, pruned_dir: Path, pruning: Pruning) -> dict:
     """The unpruned model, every pruned checkpoint, and the no-routed-experts ablation."""
-    from .evaluate import zero_routed_experts
+    from ..evaluation import zero_routed_experts
 
     models = {REFERENCE: load_model(model_dir, dtype=cfg.dtype)}
     for name in pruning.records:
@@ -453,7 +453,7 @@ def evaluate_quality(cfg: DemoConfig, models: dict, windows: dict) -> dict[str, 
     """Stage 3: every model against the unpruned one on each language's held-out windows."""
     from tqdm.auto import tqdm
 
-    from .evaluate import evaluate_models
+    from ..evaluation import evaluate_models
 
     quality: dict[str, dict[str, dict]] = {}
     total = sum(int(w.shape[0]) for w in windows.values()) * len(models)
@@ -474,7 +474,7 @@ def generate_texts(cfg: DemoConfig, models: dict, inputs: Inputs) -> dict[str, l
     import torch
     from tqdm.auto import tqdm
 
-    from .evaluate import greedy_generate, repetition_stats
+    from ..evaluation import greedy_generate, repetition_stats
 
     prompts = inputs.prompts
     generations: dict[str, list[dict]] = {}
@@ -572,8 +572,8 @@ def assemble_results(
 ) -> dict:
     """Stage 5: the stages' records as the JSON-able ``results.json`` document. (Long only
     because it is the document's layout written out as one literal.)"""
+    from ..evaluation import paired_difference
     from . import data as D
-    from .evaluate import paired_difference
 
     merged, scores_dir = calib.merged, out / "scores"
     src_dir = pruning.src_dir

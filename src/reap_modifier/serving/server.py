@@ -97,6 +97,7 @@ class VllmServer:
         startup_timeout: float = 600.0,
         request_timeout: float = 300.0,
         env: dict | None = None,
+        skip_tokenizer_init: bool = True,
     ):
         self.python = str(python)
         self.model_dir = str(model_dir)
@@ -108,6 +109,7 @@ class VllmServer:
         self.startup_timeout = float(startup_timeout)
         self.request_timeout = float(request_timeout)
         self.env = vllm_env(env)
+        self.skip_tokenizer_init = bool(skip_tokenizer_init)
         self.proc: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
 
@@ -120,13 +122,14 @@ class VllmServer:
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model_dir,
             "--served-model-name", SERVED_NAME,
-            "--skip-tokenizer-init",
             "--max-model-len", str(self.max_model_len),
             "--enforce-eager",
             "--dtype", self.dtype,
             "--host", "127.0.0.1",
             "--port", str(self.port),
         ]  # fmt: skip
+        if self.skip_tokenizer_init:  # token ids in and out; text requests need the tokenizer
+            cmd.append("--skip-tokenizer-init")
         if not any(a.split("=", 1)[0] in _PARALLEL_FLAGS for a in self.extra_args):
             # one process for engine core and worker: ~20 s less start-up on a small CPU box
             cmd += ["--distributed-executor-backend", "uni"]

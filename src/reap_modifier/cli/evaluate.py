@@ -1,0 +1,177 @@
+"""``reap eval``: what a cut cost -- a reference checkpoint against candidate checkpoints on the
+user's texts, with the transformers backend (exact, in this process) or vLLM (each model served
+in turn).
+
+Everything is checked before any model loads: labels, text files (long enough for the windows),
+checkpoints (each a directory with config.json, one vocabulary and tokenizer), the vLLM Python.
+Bad input exits with code 2 and one line saying what to change; a model that fails to load also
+exits 2, naming it; a vLLM server that dies or answers an error exits 1 with its log's last
+lines; Ctrl-C / SIGTERM exits 130 (vLLM servers stopped, nothing written).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import typer
+
+from .common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, console, fail
+
+__all__ = ["register"]
+
+EVAL_EXAMPLE = (
+    "Examples: reap eval /models/src /models/pruned-50 --text en=en.txt --text zh=zh.jsonl -o eval/ ; "
+    "reap eval /models/K3 /models/K3-448-en /models/K3-448-enzh --text en=en.jsonl --backend vllm "
+    "--dtype bfloat16 --vllm-arg=--tensor-parallel-size=8 --vllm-arg=--enable-expert-parallel "
+    "--reference-cache cache/K3 -o eval/"
+)
+
+
+def _texts(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            fail(f"--text expects LABEL=PATH (e.g. --text en=data/en.txt), got {item!r}")
+        if label in out:
+            fail(f"--text label {label!r} is given twice; give each label once")
+        if "/" in label:
+            fail(f"--text label {label!r} must not contain '/'")
+        out[label] = path
+    return out
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("eval", epilog=EVAL_EXAMPLE)
+    def eval_(
+        reference: Path = typer.Argument(
+            ..., help="the reference checkpoint (the unpruned source)"
+        ),
+        candidates: list[Path] = typer.Argument(..., help="candidate checkpoints (pruned tiers)"),
+        text: list[str] = typer.Option(
+            ...,
+            "--text",
+            help="LABEL=PATH: .txt (paragraphs), .jsonl, .json, .csv, .parquet (repeatable)",
+        ),
+        text_field: str = typer.Option(
+            "text", "--text-field", help="the text field of .jsonl/.json/.csv rows"
+        ),
+        out: Path | None = typer.Option(
+            None, "--out", "-o", help="write eval.json, eval.md, eval.png here"
+        ),
+        backend: str = typer.Option(
+            "transformers", "--backend", help="transformers (exact, in this process) or vllm"
+        ),
+        dtype: str = typer.Option(
+            "auto", "--dtype", help="compute dtype, both backends: auto, float32, bfloat16, float16"
+        ),
+        window_tokens: int = typer.Option(256, "--window-tokens", help="tokens per window"),
+        windows: int = typer.Option(64, "--windows", help="windows per text"),
+        seed: int = typer.Option(1234, "--seed", help="seed of the window and prompt sampling"),
+        prompt_seed: int | None = typer.Option(
+            None, "--prompt-seed", help="seed of the prompt choice (default: --seed + 7)"
+        ),
+        prompts: int = typer.Option(
+            8, "--prompts", help="greedy-continuation prompts per text (0: none)"
+        ),
+        prompt_tokens: int = typer.Option(16, "--prompt-tokens", help="tokens per prompt"),
+        gen_tokens: int = typer.Option(48, "--gen-tokens", help="greedy tokens per prompt"),
+        top_n: int = typer.Option(
+            20, "--top-n", help="log-probs kept per position (vLLM backend, reference cache)"
+        ),
+        chunk: int = typer.Option(
+            8, "--chunk", help="windows per forward pass (transformers backend)"
+        ),
+        reference_cache: Path | None = typer.Option(
+            None,
+            "--reference-cache",
+            help="directory of the reference's cached output (reused when it matches)",
+        ),
+        vllm_python: Path | None = typer.Option(
+            None,
+            "--vllm-python",
+            help="Python of an environment with vLLM (default: $REAP_VLLM_PYTHON, ./.venv-vllm/bin/python)",
+        ),
+        vllm_arg: list[str] | None = typer.Option(
+            None,
+            "--vllm-arg",
+            help="extra vLLM server argument, e.g. --vllm-arg=--tensor-parallel-size=8 (repeatable)",
+        ),
+        vllm_work_dir: Path | None = typer.Option(
+            None, "--vllm-work-dir", help="where vLLM server logs go"
+        ),
+        lm_eval: str | None = typer.Option(
+            None,
+            "--lm-eval",
+            help="comma-separated lm-evaluation-harness tasks, run on every model (extra: reap-modifier[eval])",
+        ),
+        lm_eval_include: Path | None = typer.Option(
+            None, "--lm-eval-include", help="directory of local lm-eval task YAMLs"
+        ),
+        lm_eval_limit: int | None = typer.Option(
+            None, "--lm-eval-limit", help="documents per task (a quick look)"
+        ),
+    ):
+        """What a cut cost: NLL, paired ΔNLL, top-1 agreement, KL and greedy repeat runs of candidates against a reference."""
+        from ..evaluation import EvalInputError, Settings, evaluate, prepare
+        from ..evaluation.report import main_table, write_outputs
+        from ..serving.server import ServerError
+        from .checkpoint import _interruptible
+
+        labels = _texts(text)
+        for name, v, lo in (
+            ("--window-tokens", window_tokens, 2),
+            ("--windows", windows, 1),
+            ("--chunk", chunk, 1),
+            ("--top-n", top_n, 1),
+        ):
+            if v < lo:
+                fail(f"{name} must be at least {lo}, got {v}")
+        if out is not None and out.exists() and not out.is_dir():
+            fail(f"-o {out} is a file; give a directory")
+        tasks = [t.strip() for t in (lm_eval or "").split(",") if t.strip()]
+        if lm_eval is not None and not tasks:
+            fail("--lm-eval expects task names, e.g. --lm-eval hellaswag,arc_easy")
+        if tasks:
+            from ..evaluation.lm_eval import LmEvalMissing, check_lm_eval
+
+            try:
+                check_lm_eval(tasks, lm_eval_include, backend)
+            except (LmEvalMissing, ValueError) as exc:
+                fail(exc)
+        settings = Settings(
+            window_tokens=window_tokens, windows=windows, seed=seed, prompt_seed=prompt_seed, prompts=prompts,
+            prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, top_n=top_n, text_field=text_field,
+            dtype=dtype, backend=backend, chunk=chunk,
+            vllm_python=str(vllm_python) if vllm_python else None, vllm_args=list(vllm_arg or []),
+            reference_cache=str(reference_cache) if reference_cache else None,
+            work_dir=str(vllm_work_dir) if vllm_work_dir else (str(out / "vllm") if out else None),
+            lm_eval_tasks=tasks, lm_eval_include=str(lm_eval_include) if lm_eval_include else None,
+            lm_eval_limit=lm_eval_limit,
+        )  # fmt: skip
+        log = lambda s: typer.echo(s, err=True)  # noqa: E731
+        try:
+            with _interruptible():  # SIGTERM takes Ctrl-C's path: vLLM servers are stopped
+                prep = prepare(str(reference), [str(c) for c in candidates], labels, settings)
+                for note in prep.notes:
+                    typer.echo(f"note: {note}", err=True)
+                res = evaluate(prep, log=log, command=shlex.join(["reap", *sys.argv[1:]]))
+        except EvalInputError as exc:
+            fail(exc)
+        except ServerError as exc:  # a vLLM server that died or answered an error: its log tail
+            fail(f"vLLM: {exc}", EXIT_CHECK_FAILED)
+        except KeyboardInterrupt:
+            fail("interrupted: nothing was written", EXIT_INTERRUPTED)
+        console.print(main_table(res), markup=False, highlight=False, soft_wrap=True)
+        if res.get("lm_eval"):
+            for name, by_task in res["lm_eval"]["results"].items():
+                for task, metrics in (by_task or {}).items():
+                    cells = ", ".join(
+                        f"{m} {v['value']:.4f} ± {v['stderr'] or 0:.4f}" for m, v in metrics.items()
+                    )
+                    typer.echo(f"lm-eval {name} {task}: {cells}")
+        if out is not None:
+            paths = write_outputs(res, out)
+            typer.echo(f"wrote {paths['json']}, {paths['md']} and {paths['png']}", err=True)

@@ -1,0 +1,45 @@
+"""Evaluation: what a cut cost, measured on the user's own checkpoints and texts.
+
+One implementation, used by ``reap eval`` and by the main job (:mod:`reap_modifier.demo`):
+
+- :mod:`.texts`: text files -> paragraphs; seeded windows of token ids; held-out prompts;
+- :mod:`.metrics`: NLL, paired differences with standard error, top-1 agreement, KL (exact,
+  and the top-N estimate with its bound), the degeneration check (longest repeat run);
+- :mod:`.hf`: the transformers backend (exact, streaming: never holds all logits);
+- :mod:`.vllm`: the vLLM backend (each model served in turn, prompt log-probs, throughput);
+- :mod:`.cache`: the reference cache (one reference run for many candidates);
+- :mod:`.checkpoints`: checkpoints and tokenizers checked before any model loads;
+- :mod:`.run`: one evaluation, end to end (:func:`prepare`, :func:`evaluate`);
+- :mod:`.report`: ``eval.json`` / ``eval.md`` / ``eval.png`` and the main table;
+- :mod:`.lm_eval`: standard benchmarks through lm-evaluation-harness (optional extra ``eval``).
+"""
+
+from .hf import ReferenceTopN, evaluate_models, greedy_generate, run_models, zero_routed_experts
+from .metrics import (
+    WindowMetrics,
+    longest_repeat_run,
+    paired_difference,
+    repetition_stats,
+    token_metrics,
+    topn_kl,
+)
+from .run import EvalInputError, Prepared, Settings, evaluate, prepare
+
+__all__ = [
+    "EvalInputError",
+    "Prepared",
+    "ReferenceTopN",
+    "Settings",
+    "WindowMetrics",
+    "evaluate",
+    "evaluate_models",
+    "greedy_generate",
+    "longest_repeat_run",
+    "paired_difference",
+    "prepare",
+    "repetition_stats",
+    "run_models",
+    "token_metrics",
+    "topn_kl",
+    "zero_routed_experts",
+]
