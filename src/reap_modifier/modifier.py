@@ -1,8 +1,10 @@
 """``REAPPruningModifier``: router-weighted expert activation pruning (arXiv 2510.13999).
 
-A drop-in superset of llm-compressor 0.14's modifier of the same name: ``sparsity``,
-``ignore`` and ``report_path`` keep their meaning; scores, plans, manifests, other
-saliency criteria, ``divisible_by`` and seven MoE families are added.
+A drop-in superset of llm-compressor 0.14's modifier of the same name: ``sparsity``
+keeps upstream's count and ``report_path`` its format; ``ignore`` matches as upstream's
+but is refused when it would leave some MoE layers unpruned; ``propagate_pruned: true``
+keeps upstream's experts. Scores, plans, manifests, other saliency criteria,
+``divisible_by`` and seven MoE families are added (docs/upstream-compatibility.md).
 """
 
 from __future__ import annotations
