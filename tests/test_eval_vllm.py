@@ -80,8 +80,8 @@ def test_nll_and_top1_equal_the_transformers_backend(runs):
 
 
 def test_kl_estimate_lies_within_its_bound_and_equals_the_estimator_on_transformers_logits(runs):
-    from reap_modifier.models.loading import load_checkpoint_model
     from reap_modifier.evaluation import Settings, prepare, topn_kl
+    from reap_modifier.models.loading import load_checkpoint_model
 
     v, t = runs["vllm"], runs["tf"]
     ref_path = runs["models"][0]

@@ -25,6 +25,7 @@ from .config import (
     DemoConfig,
     job_methods,
 )
+from .provenance import compare_corpora, corpus_manifest
 from .report import flip_rows, pair_routing, render_report, write_plots
 from .workspace import (
     Clock,
@@ -536,12 +537,14 @@ def compare_and_tiers(cfg: DemoConfig, out: Path, calib: Calibration) -> Compari
     return Comparison(cmp, flips_by_sparsity, tier_keeps, tiers)
 
 
-def _model_card_eval(model_dir: Path, cfg: DemoConfig) -> dict | None:
-    """The bundled model card's evaluation settings, and whether the job uses the same windows."""
+def _model_card_eval(model_dir: Path, cfg: DemoConfig, data_dir: Path) -> dict | None:
+    """The bundled model card's evaluation settings, whether the job uses the same windows, and
+    which corpus splits differ from the ones the card was measured on."""
     card_path = model_dir / "model_card.json"
     if not card_path.is_file():
         return None
-    ev = json.loads(card_path.read_text()).get("eval", {})
+    c = json.loads(card_path.read_text())
+    ev = c.get("eval", {})
     card = {
         "loss": ev.get("loss"),
         "windows_per_lang": ev.get("windows_per_lang"),
@@ -553,6 +556,7 @@ def _model_card_eval(model_dir: Path, cfg: DemoConfig) -> dict | None:
         and card["seq_len"] == cfg.eval_seq_len
         and card["window_seed"] == cfg.eval_seed
     )
+    card["corpora"] = compare_corpora(c.get("corpora"), corpus_manifest(data_dir))
     return card
 
 
@@ -585,7 +589,7 @@ def assemble_results(
         "config": asdict(cfg),
         "model": {
             "path": str(model_dir),
-            "model_card": _model_card_eval(model_dir, cfg),
+            "model_card": _model_card_eval(model_dir, cfg, data_dir),
             "checkpoint_source": relative_to(src_dir, out)
             if src_dir != model_dir
             else str(model_dir),

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..analysis.formatting import pct, tokens
 from ..analysis.plots import save_png
 from .config import ABLATION, LANGS, REFERENCE
+from .provenance import describe as describe_corpora
 
 # ----------------------------------------------------------------------------- plots
 
@@ -288,6 +289,8 @@ def _quality(results: dict) -> list[str]:
             )
             + ".",
         ]
+        if card.get("corpora"):
+            lines += ["", "Corpora vs the model card: " + describe_corpora(card["corpora"])]
     return lines
 
 
