@@ -41,6 +41,7 @@ from .errors import CheckpointError, DestinationError
 from .layout import inspect_checkpoint
 from .manifest import MANIFEST_NAME, build_manifest
 from .pause_points import pause_point
+from .replaced_tensors import bind_replacements, replacement_record, write_replacements
 from .source_hashes import SourceHasher, default_hash_cache
 from .upstream import convert
 
@@ -64,6 +65,8 @@ def rewrite_checkpoint(
     hash_workers: int | None = None,
     output_checksum: str | None = None,
     manifest_extra: dict | None = None,
+    replace_tensors: dict | None = None,
+    replace_reason: str = "written from memory",
 ) -> Path:
     """Write ``dst``: the checkpoint at ``src`` with ``plan`` applied, bit-exact.
 
@@ -89,6 +92,9 @@ def rewrite_checkpoint(
     :param output_checksum: checksum recorded per output shard: ``"xxh3_128"``
         (default when ``xxhash`` is installed) or ``"sha256"``
     :param manifest_extra: merged into the manifest (e.g. the caller's parameters)
+    :param replace_tensors: ``{plan layer: {relative name: tensor}}`` written from memory
+        instead of the source bytes (e.g. fitted router rows; never an expert tensor,
+        see :mod:`.replaced_tensors`); recorded with ``replace_reason`` in the manifest
     :returns: the destination path
     """
     src = Path(src)
@@ -99,6 +105,7 @@ def rewrite_checkpoint(
             "the weight index; remove them or add them to the index"
         )
     spec = bind_plan(layout, plan, extra_layers=extra_layers)
+    replacements = bind_replacements(spec, replace_tensors or {}, replace_reason)
     dst = check_destination(src, dst, force=force)
     scores = None
     if scores_path is not None:
@@ -170,6 +177,10 @@ def rewrite_checkpoint(
             raise CheckpointError(
                 f"internal error: shards written {sorted(written)} != recorded {sorted(converter.output_bytes)}"
             )
+        if replacements:
+            converter.output_checksums.update(
+                write_replacements(tmp, replacements, converter.output_checksum)
+            )
         extra = {
             "checkpoint": {
                 "source_format": layout.quantization_formats,
@@ -188,6 +199,7 @@ def rewrite_checkpoint(
                 "output_checksum": converter.output_checksum,
                 "tensors": dict(converter.counts),
                 "quantization_config_names": dict(converter.quant_stats),
+                **({"replaced_tensors": replacement_record(replacements)} if replacements else {}),
             }
         }
         if manifest_extra:
