@@ -221,3 +221,30 @@ def test_another_modifier_changing_the_routers(k3_source, tokenizer):
             dataset=make_dataset(calibration_samples(128, n=2, seed=9)),
             num_calibration_samples=2,
         )
+
+
+def test_disk_offloaded_model(tmp_path, tokenizer):
+    """compressed-tensors disk offload + sequential pipeline: the fit onloads one layer,
+    and the fitted rows are what the offloaded router holds afterwards."""
+    from compressed_tensors.offload import load_offloaded_model
+    from compressed_tensors.offload.cache.disk import DiskCache
+
+    fixture = build_mxfp4_checkpoint("kimi_k3", tmp_path / "src", grouped=True)
+    cls = reload_class("kimi_k3")
+    with load_offloaded_model(cls):
+        model = cls.from_pretrained(
+            fixture.path,
+            device_map="auto_offload",
+            max_memory={"cpu": 200_000},
+            offload_folder=str(tmp_path / "offload"),
+        )
+    routers = [model.language_model.model.layers[i].block_sparse_moe.gate for i in (1, 2)]
+    assert any(isinstance(r._parameters, DiskCache) for r in routers), "routers not offloaded"
+    modifier = REAPPruningModifier(
+        sparsity=0.5, calibrate_router=True, router_fit_tokens=200, router_fit_steps=40
+    )
+    _oneshot(model, modifier, tokenizer)
+    _check_fit(modifier, modifier.plan.kept)
+    for name, tensors in modifier._fitted_tensors.items():
+        gate = model.get_submodule(f"{name}.gate")
+        assert torch.equal(gate.weight.to("cpu"), tensors["gate.weight"])

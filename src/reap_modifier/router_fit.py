@@ -45,6 +45,7 @@ kept as the cut left it (its kept rows) and the fit reports it as not fitted.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -206,28 +207,28 @@ def relative_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def _trainable(router: nn.Module, names: list[str]) -> Iterator[dict[str, nn.Parameter]]:
-    """Swap ``router.<name>`` for float32 leaf parameters for the duration of the fit."""
-    saved = {n: router._parameters.get(n, None) for n in names}
-    is_buffer = {n: n in router._buffers for n in names}
-    masters = {}
-    for n in names:
-        current = getattr(router, n)
-        masters[n] = nn.Parameter(current.detach().float().clone(), requires_grad=True)
-        if is_buffer[n]:
-            saved[n] = router._buffers.pop(n)
-        else:
-            router._parameters.pop(n)
-        setattr(router, n, masters[n])
+def _trainable(layer: MoELayer, names: list[str]) -> Iterator[dict[str, nn.Parameter]]:
+    """For the duration of the fit, the block routes through a shallow copy of its router
+    whose ``names`` are float32 leaf parameters (the others: the router's current
+    tensors). The router itself is never touched, so offloaded parameters
+    (compressed-tensors' offload caches replace ``_parameters``) stay as they are."""
+    router = layer.router
+    masters = {n: nn.Parameter(getattr(router, n).detach().float().clone()) for n in names}
+    proxy = copy.copy(router)
+    proxy._parameters = {
+        n: masters.get(n, getattr(router, n)) for n in list(router._parameters.keys())
+    }
+    proxy._buffers = {n: getattr(router, n) for n in list(router._buffers.keys())}
+    # methods bound to the router on the instance (compressed-tensors' offload wraps
+    # `forward` so) are bound to the copy instead
+    for key, value in list(vars(router).items()):
+        if getattr(value, "__self__", None) is router and hasattr(value, "__func__"):
+            setattr(proxy, key, value.__func__.__get__(proxy))
+    layer.block._modules[layer.router_attr] = proxy
     try:
         yield masters
     finally:
-        for n in names:
-            delattr(router, n)
-            if is_buffer[n]:
-                router.register_buffer(n, saved[n])
-            else:
-                router._parameters[n] = saved[n]
+        layer.block._modules[layer.router_attr] = router
 
 
 def fit_router(
@@ -272,7 +273,7 @@ def fit_router(
         with differentiable_dispatch(layer, cache):
             return relative_error(_output(layer.block(x.unsqueeze(0))).reshape(y.shape), y)
 
-    with _trainable(router, names) as masters:
+    with _trainable(layer, names) as masters:
         scale = masters["weight"].detach().pow(2).mean().sqrt().clamp_min(1e-8).item()
         optimizer = torch.optim.Adam(list(masters.values()), lr=lr * scale)
         best = {n: p.detach().clone() for n, p in masters.items()}
