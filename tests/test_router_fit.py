@@ -168,3 +168,31 @@ def test_mismatched_fitting_data():
     x, y = io[layer.name]
     with pytest.raises(RouterFitError, match="must both be"):
         fit_router(layer, x, y[:-1], steps=1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_k3"])
+def test_dispatch_swap_restores_instance_wrappers(family):
+    """An instance-level wrapper (compressed-tensors' offload wraps ``forward`` so) is
+    back in place after the swap; without one, nothing is left on the instance."""
+    model, arch, io = _pruned_with_targets(family)
+    layer = arch.layers[0]
+    target = layer.block if family == "kimi_k3" else layer.experts
+    attr = "moe_infer" if family == "kimi_k3" else "forward"
+    with differentiable_dispatch(layer):
+        assert attr in vars(target)
+    assert attr not in vars(target)
+    calls = []
+    original = getattr(target, attr)
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    vars(target)[attr] = wrapper
+    x, _ = io[layer.name]
+    with differentiable_dispatch(layer):
+        swapped = block_output(layer, x)
+    assert vars(target)[attr] is wrapper
+    calls.clear()
+    torch.testing.assert_close(block_output(layer, x), swapped, rtol=1e-5, atol=1e-6)
+    assert calls

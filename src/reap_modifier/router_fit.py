@@ -146,6 +146,23 @@ class _ExpertCache:
 
 
 @contextmanager
+def _instance_attrs(obj: object, **attrs) -> Iterator[None]:
+    """Set instance attributes for the context; restore what the instance held before
+    (e.g. compressed-tensors' offload ``forward`` wrapper) or remove them."""
+    saved = {k: vars(obj)[k] for k in attrs if k in vars(obj)}
+    for k, v in attrs.items():
+        object.__setattr__(obj, k, v)
+    try:
+        yield
+    finally:
+        for k in attrs:
+            if k in saved:
+                object.__setattr__(obj, k, saved[k])
+            else:
+                object.__delattr__(obj, k)
+
+
+@contextmanager
 def differentiable_dispatch(layer: MoELayer, cache: _ExpertCache | None = None) -> Iterator[None]:
     """Within the context, ``layer.block(x)`` is differentiable in its routing weights.
 
@@ -166,12 +183,9 @@ def differentiable_dispatch(layer: MoELayer, cache: _ExpertCache | None = None) 
             outs = cache.get(x, ids, one_slot)
             return (outs.to(weights.dtype) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
-        block.moe_infer = dispatch
-        block.moe_train = dispatch  # calibrate-all mode dispatches here
-        try:
+        # calibrate-all mode dispatches to moe_train
+        with _instance_attrs(block, moe_infer=dispatch, moe_train=dispatch):
             yield
-        finally:
-            del block.moe_infer, block.moe_train
     else:
         experts = layer.experts
         original = experts.forward
@@ -183,11 +197,8 @@ def differentiable_dispatch(layer: MoELayer, cache: _ExpertCache | None = None) 
             outs = cache.get(x, ids, one_slot)
             return (outs.to(weights.dtype) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
-        experts.forward = forward
-        try:
+        with _instance_attrs(experts, forward=forward):
             yield
-        finally:
-            del experts.forward
 
 
 def _output(out) -> torch.Tensor:
