@@ -102,6 +102,30 @@ def test_plan_in_cuts_after_calibration_then_fits(k3_source, tokenizer, tmp_path
     assert fresh.config.text_config.num_experts == 8
 
 
+def test_scores_in_cut_to_another_tier_then_fit(k3_source, tokenizer, tmp_path):
+    """Scores measured once on the unpruned model, cut to a tier (12 of 16 kept, 3 per
+    group), then the routers fitted for that tier."""
+    from reap_modifier.scores import ExpertScores
+    from reap_modifier.scores.plan import plan_from_scores
+
+    _, _, src = k3_source
+    scores = tmp_path / "s.safetensors"
+    model = reload_class("kimi_k3").from_pretrained(src).eval()
+    _oneshot(model, REAPPruningModifier(sparsity=0.5, scores_path=str(scores)), tokenizer)
+    fresh = reload_class("kimi_k3").from_pretrained(src).eval()
+    modifier = REAPPruningModifier(
+        num_experts_to_keep=12,
+        scores_in=str(scores),
+        calibrate_router=True,
+        router_fit_tokens=200,
+        router_fit_steps=40,
+    )
+    _oneshot(fresh, modifier, tokenizer)
+    expected = plan_from_scores(ExpertScores.load(scores), num_experts_to_keep=12)
+    assert modifier.plan.kept == expected.kept
+    _check_fit(modifier, expected.kept)
+
+
 def test_mxfp4_experts_bit_exact_router_fitted_and_reload_equal(tmp_path, tokenizer):
     fixture = build_mxfp4_checkpoint("kimi_k3", tmp_path / "src", grouped=True)
     src, dst = fixture.path, tmp_path / "dst"
