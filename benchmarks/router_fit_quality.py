@@ -150,6 +150,7 @@ def main() -> None:
                     f"{100 * (kl['fit'] / kl['alone'] - 1):+.1f}% | "
                     f"{kl['diff']['mean']:+.4f} ± {kl['diff']['se']:.4f} |"
                 )
+                print("row:", rows[-1], flush=True)  # as it comes; the table is printed at the end
             del t0
     print(
         "| calibration | sparsity | language | NLL REAP | NLL REAP+fit | ΔNLL ± SE | "
