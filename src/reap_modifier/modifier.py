@@ -21,6 +21,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from . import compat, registries
 from .calibration import distributed
+from .calibration.block_io import BlockIOCapture
 from .calibration.decompress_hook import decompress_loaded_model
 from .calibration.observer import SaliencyObserver
 from .calibration.packed import (
@@ -37,6 +38,7 @@ from .fileio import sha256_file, write_json_atomic
 from .layerwise import LayerwiseCut
 from .models import MoEArchitecture, find_moe_architecture
 from .models.loading import register_kimi_auto_classes
+from .router_fit import FIT_METHOD, RouterFitError, fit_router, router_fit_problem
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
 from .scores.baselines import baseline_saliency, baseline_scores, layer_number, model_fingerprint
 from .scores.keep_count import KeepCount, PlanError, compute_keep_count
@@ -90,6 +92,15 @@ class REAPPruningModifier(Modifier):
         the basic pipeline (one epoch for the whole model) both are the same. Its
         scores file holds only for its own cut; ``reap cut`` and ``scores_in`` refuse
         another keep count or criterion.
+    :param calibrate_router: after the cut, fit each MoE layer's router rows so the
+        pruned block's output matches the unpruned block's on calibration tokens
+        (experts untouched; see ``docs/router-calibration.md``); needs calibration
+        data also with ``scores_in`` / ``plan_in`` / weight baselines (then for the
+        fit only, and the cut waits for the end of calibration)
+    :param router_fit_tokens: calibration tokens per MoE layer the fit uses (the
+        first ones seen; each layer holds its inputs and outputs on them in memory)
+    :param router_fit_steps: optimizer steps per layer
+    :param router_fit_lr: step size, relative to the root-mean-square router weight
 
     The calibration-free baselines ``router_l1`` (compressed-tensors'
     MagnitudeExpertPruner criterion), ``router_signed_sum`` and ``random`` rank experts
@@ -121,6 +132,10 @@ class REAPPruningModifier(Modifier):
     seed: int = 0
     dequantize: Literal["layer", "expert", "model"] = "layer"
     propagate_pruned: bool = False
+    calibrate_router: bool = False
+    router_fit_tokens: int = Field(default=4096, ge=2)
+    router_fit_steps: int = Field(default=100, ge=0)
+    router_fit_lr: float = Field(default=0.03, gt=0)
 
     _arch: MoEArchitecture | None = PrivateAttr(default=None)
     _keep: KeepCount | None = PrivateAttr(default=None)
@@ -133,6 +148,10 @@ class REAPPruningModifier(Modifier):
     _layerwise: LayerwiseCut | None = PrivateAttr(default=None)
     _source_fingerprint: str | None = PrivateAttr(default=None)
     _restore_calibrate_all: bool | None = PrivateAttr(default=None)
+    _capture: BlockIOCapture | None = PrivateAttr(default=None)
+    _deferred_plan: PruningPlan | None = PrivateAttr(default=None)
+    _router_fit: dict | None = PrivateAttr(default=None)
+    _fitted_tensors: dict | None = PrivateAttr(default=None)
 
     # -- validation (before any model work) -----------------------------------------
 
@@ -206,7 +225,15 @@ class REAPPruningModifier(Modifier):
                 "propagate_pruned cuts layers during calibration, but with scores_in, "
                 "plan_in or a weight baseline nothing is calibrated; remove propagate_pruned"
             )
-        self.requires_calibration_data = self.calibrates
+        unused = sorted(f for f in self.model_fields_set if f.startswith("router_fit_"))
+        if unused and not self.calibrate_router:
+            raise ValueError(f"{', '.join(unused)} only apply with `calibrate_router: true`")
+        if self.calibrate_router and self.propagate_pruned:
+            raise ValueError(
+                "calibrate_router fits each router against the unpruned block, which "
+                "propagate_pruned never sees after the first layer; use one of the two"
+            )
+        self.requires_calibration_data = self.calibrates or self.calibrate_router
         return self
 
     @property
@@ -224,7 +251,13 @@ class REAPPruningModifier(Modifier):
         # structure only: works on packed (compressed-tensors) experts
         self._arch = find_moe_architecture(state.model, self.ignore)
         arch = self._arch
+        if self.calibrate_router:
+            self._check_router_fit(state)
         self._cpu_group = distributed.make_cpu_group()
+        if self.calibrate_router:
+            self._capture = BlockIOCapture(
+                arch, self.register_hook, self.router_fit_tokens, model=state.model
+            )
         if self.plan_in is not None:
             plan = PruningPlan.load(self.plan_in)
             try:
@@ -284,7 +317,7 @@ class REAPPruningModifier(Modifier):
             logger.info(f"REAP: decompressing the whole model before calibration ({why})")
             decompress_loaded_model(model)
             return
-        if not self.calibrates:
+        if not (self.calibrates or self.calibrate_router):
             logger.info("REAP: pruning without calibration: compressed experts stay packed")
             return
         self._packed = PackedCompute(model, self.dequantize)
@@ -327,6 +360,8 @@ class REAPPruningModifier(Modifier):
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
 
     def on_calibration_start(self, state: State, event: Event, **kwargs) -> None:
+        if self._capture is not None:
+            self._capture.attach()
         if self._plan is not None or self._observer is None:
             return
         self._calibrate_all = calibrate_all_experts()
@@ -363,6 +398,7 @@ class REAPPruningModifier(Modifier):
         self._release_packed()
         if self._plan is None and self._observer is not None:
             self._decide_and_prune(state.model)
+        self._fit_routers(state.model)
 
     def on_finalize(self, state: State, **kwargs) -> bool:
         self._restore_calibrate_all_flag()
@@ -370,8 +406,9 @@ class REAPPruningModifier(Modifier):
         if self._observer is not None:
             self._observer.detach()
         self._release_packed()
-        if self._plan is None:
+        if self._plan is None and self._deferred_plan is None:
             self._decide_and_prune(state.model)
+        self._fit_routers(state.model)
         self._choose_save_path(state.model)
         if self._cpu_group is not None:
             import torch.distributed as dist
@@ -524,6 +561,10 @@ class REAPPruningModifier(Modifier):
         }
 
     def _apply(self, model: torch.nn.Module, plan: PruningPlan) -> None:
+        if self._capture is not None:
+            # router fit: cut once the unpruned blocks' outputs are captured
+            self._deferred_plan = plan
+            return
         self._plan = plan
         apply_plan(model, self._arch, plan)
         if distributed.is_source_process():
@@ -550,7 +591,10 @@ class REAPPruningModifier(Modifier):
         source = compressed_source(model)
         if source is not None and self._plan is not None:
             others = self._other_modifiers()
-            if route_save_through_rewriter(model, self._plan, source, other_modifiers=others):
+            fit = (self._router_fit, self._fitted_tensors) if self._router_fit else None
+            if route_save_through_rewriter(
+                model, self._plan, source, other_modifiers=others, router_fit=fit
+            ):
                 return
         registries.run_save_fixups(model)  # e.g. linearized experts repacked (compat)
 
@@ -578,8 +622,124 @@ class REAPPruningModifier(Modifier):
                 model_class=self._arch.model_class,
                 count_key=self._arch.count_keys[0],
                 scores=scores_ref,
+                extra={"router_fit": self._router_fit} if self._router_fit else None,
             )
             write_json_atomic(self.manifest_path, manifest)
+
+    # -- router calibration ------------------------------------------------------------
+
+    def _check_router_fit(self, state: State) -> None:
+        """``calibrate_router``: refuse what the fit cannot do, before any model work."""
+        problems = [p for layer in self._arch.layers if (p := router_fit_problem(layer))]
+        if problems:
+            raise RouterFitError(
+                "calibrate_router cannot fit these routers: "
+                + "; ".join(problems[:3])
+                + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+                + "; remove calibrate_router"
+            )
+        if getattr(state.data, "calib", None) is None:
+            raise ValueError(
+                "calibrate_router fits the routers on calibration data, but oneshot got "
+                "none: pass a dataset (num_calibration_samples > 0) or remove calibrate_router"
+            )
+        if distributed.world_size() > 1:
+            raise ValueError(
+                "calibrate_router does not run under data parallel yet (each rank would "
+                "fit different routers); run it in one process"
+            )
+        from compressed_tensors.utils import match_named_modules
+        from llmcompressor.core import active_session
+
+        recipe = active_session().lifecycle.recipe
+        routers = {f"{layer.name}.{layer.router_attr}" for layer in self._arch.layers}
+        for other in recipe.modifiers if recipe is not None else []:
+            targets = getattr(other, "targets", None)
+            if isinstance(other, REAPPruningModifier) or not targets:
+                continue
+            targets = [targets] if isinstance(targets, str) else list(targets)
+            ignore = list(getattr(other, "ignore", None) or [])
+            hit = sorted(
+                name
+                for name, _ in match_named_modules(state.model, targets, ignore)
+                if name in routers
+            )
+            if hit:
+                raise ValueError(
+                    f"calibrate_router fits the routers, but {type(other).__name__} in the "
+                    f"recipe also changes them (targets {targets} match {hit[0]}"
+                    + (f" and {len(hit) - 1} more" if len(hit) > 1 else "")
+                    + "); add the routers to its `ignore` (e.g. 're:.*gate$') or remove "
+                    "calibrate_router"
+                )
+
+    def _fit_routers(self, model: torch.nn.Module) -> None:
+        """``calibrate_router``: apply the cut (deferred until every MoE block's unpruned
+        inputs and outputs were captured), then fit each layer's router rows to them."""
+        capture = self._capture
+        if capture is None or self._deferred_plan is None:
+            return
+        from compressed_tensors import align_module_device
+        from compressed_tensors.offload import update_offload_parameter
+        from tqdm.auto import tqdm
+
+        self._capture = None  # the cut is no longer deferred
+        capture.detach()
+        plan, self._deferred_plan = self._deferred_plan, None
+        empty = [name for name in self._arch.layer_names if capture.tokens(name) < 2]
+        if empty:
+            raise RuntimeError(
+                f"calibrate_router captured no calibration tokens for {empty[0]}: no "
+                "calibration data reached the MoE layers (num_calibration_samples > 0)"
+            )
+        self._apply(model, plan)
+        records, tensors = {}, {}
+        overlay = None  # packed (compressed-tensors) experts: dequantized a layer at a time
+        if compressed_modules(model):
+            overlay = PackedCompute(model, "expert" if self.dequantize == "expert" else "layer")
+            overlay.attach()
+        try:
+            for layer in tqdm(self._arch.layers, desc="REAP router fit"):
+                inputs, targets = capture.take(layer.name)
+                with align_module_device(layer.block):
+                    device = layer.router.weight.device
+                    fitted, result = fit_router(
+                        layer,
+                        inputs.to(device),
+                        targets.to(device),
+                        steps=self.router_fit_steps,
+                        lr=self.router_fit_lr,
+                    )
+                for name, tensor in fitted.items():
+                    update_offload_parameter(layer.router, name, tensor)
+                records[layer.name] = result.to_dict()
+                tensors[layer.name] = {
+                    f"{layer.router_attr}.{name}": tensor.detach().to("cpu")
+                    for name, tensor in fitted.items()
+                }
+                logger.info(
+                    f"REAP router fit {layer.name}: relative error {result.loss_before:.4g} -> "
+                    f"{result.loss_after:.4g} (held out {result.holdout_before:.4g} -> "
+                    f"{result.holdout_after:.4g}, best step {result.best_step})"
+                )
+        finally:
+            if overlay is not None:
+                overlay.detach()
+        self._router_fit = {
+            "method": FIT_METHOD,
+            "tokens": self.router_fit_tokens,
+            "steps": self.router_fit_steps,
+            "lr": self.router_fit_lr,
+            "layers": records,
+        }
+        self._fitted_tensors = tensors
+        if distributed.is_source_process():
+            self._write_outputs(plan)  # the manifest records the fit
+
+    @property
+    def router_fit(self) -> dict | None:
+        """The fit's record (method, tokens, steps, losses per layer), when one ran."""
+        return self._router_fit
 
     # -- accessors for callers and tests --------------------------------------------------
 

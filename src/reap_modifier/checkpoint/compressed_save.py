@@ -42,13 +42,21 @@ def compressed_source(model: nn.Module) -> Path | None:
 
 
 def route_save_through_rewriter(
-    model: nn.Module, plan: PruningPlan, source: Path, *, other_modifiers: list[str]
+    model: nn.Module,
+    plan: PruningPlan,
+    source: Path,
+    *,
+    other_modifiers: list[str],
+    router_fit: tuple[dict, dict] | None = None,
 ) -> bool:
     """Make ``model.save_pretrained(dst)`` write ``dst`` with the rewriter.
 
     :param other_modifiers: names of non-REAP modifiers in the recipe; when any is
         present their weight changes live only in memory, so the regular (re-compressing)
         save is kept and the reason is logged
+    :param router_fit: ``(record, tensors)`` of router calibration: the fitted router
+        tensors (``{layer: {relative name: tensor}}``) are written from memory, every
+        other tensor from the source bytes, and the record goes into the manifest
     :returns: whether the save was routed through the rewriter
     """
     if other_modifiers:
@@ -77,7 +85,13 @@ def route_save_through_rewriter(
             save_directory,
             force=True,  # like save_pretrained: the caller chose this directory
             method="REAP modifier (oneshot) -> bit-exact checkpoint rewrite",
-            manifest_extra={"saliency": plan.saliency, "plan_parameters": plan.params},
+            manifest_extra={
+                "saliency": plan.saliency,
+                "plan_parameters": plan.params,
+                **({"router_fit": router_fit[0]} if router_fit else {}),
+            },
+            replace_tensors=router_fit[1] if router_fit else None,
+            replace_reason="router fitted (see router_fit)",
         ).run()
 
     save_pretrained._reap_rewriter = True

@@ -42,6 +42,7 @@ from .errors import CheckpointError, DestinationError
 from .layout import CheckpointLayout, inspect_checkpoint
 from .manifest import MANIFEST_NAME, build_manifest
 from .pause_points import pause_point
+from .replaced_tensors import bind_replacements, replacement_record, write_replacements
 from .scores_cut import ScoresCut
 from .source_hashes import SourceHasher, default_hash_cache
 from .upstream import convert
@@ -83,6 +84,8 @@ def prepare_rewrite(
     hash_cache: str | os.PathLike | None | bool = None,
     output_checksum: str | None = None,
     manifest_extra: dict | None = None,
+    replace_tensors: dict | None = None,
+    replace_reason: str = "written from memory",
 ) -> RewriteJob:
     """Check everything that can be checked before any byte is written, once: the source
     (:func:`inspect_source`), the destination (:func:`check_destination`), the plan (a
@@ -103,6 +106,9 @@ def prepare_rewrite(
     :param output_checksum: checksum recorded per output shard: ``"xxh3_128"``
         (default when ``xxhash`` is installed) or ``"sha256"``
     :param manifest_extra: merged into the manifest (e.g. the caller's parameters)
+    :param replace_tensors: ``{plan layer: {relative name: tensor}}`` written from memory
+        instead of the source bytes (e.g. fitted router rows; never an expert tensor,
+        see :mod:`.replaced_tensors`); recorded with ``replace_reason`` in the manifest
     """
     src = Path(src)
     layout = inspect_source(src)
@@ -110,6 +116,7 @@ def prepare_rewrite(
     if isinstance(plan, ScoresCut):
         plan = plan.plan_for(layout)
     spec = bind_plan(layout, plan, extra_layers=extra_layers)
+    replacements = bind_replacements(spec, replace_tensors or {}, replace_reason)
     scores = None
     if scores_path is not None:
         scores_path = Path(scores_path)
@@ -135,6 +142,7 @@ def prepare_rewrite(
         hash_cache=cache,
         output_checksum=output_checksum,
         manifest_extra=manifest_extra,
+        replacements=replacements,
     )
 
 
@@ -155,6 +163,7 @@ class RewriteJob:
     hash_cache: Path | None
     output_checksum: str | None
     manifest_extra: dict | None
+    replacements: dict | None = None
 
     def summary(self) -> str:
         """One line: what will be written."""
@@ -207,6 +216,10 @@ class RewriteJob:
                 if bar is not None:
                     bar.close()
                 _check_written(tmp, converter)
+                if self.replacements:
+                    converter.output_checksums.update(
+                        write_replacements(tmp, self.replacements, converter.output_checksum)
+                    )
                 manifest = self._manifest(converter, source_shards, hasher)
                 write_json_atomic(tmp / MANIFEST_NAME, manifest)
                 pause_point("rename")
@@ -269,6 +282,11 @@ class RewriteJob:
                 "output_checksum": converter.output_checksum,
                 "tensors": dict(converter.counts),
                 "quantization_config_names": dict(converter.quant_stats),
+                **(
+                    {"replaced_tensors": replacement_record(self.replacements)}
+                    if self.replacements
+                    else {}
+                ),
             }
         }
         if self.manifest_extra:

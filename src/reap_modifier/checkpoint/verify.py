@@ -17,7 +17,11 @@ Without a source (headers, config and manifest; the shards are read once to hash
 With ``source``: every source shard's sha256 equals the manifest's (the source is
 what was pruned), and every tensor of the output has the sha256 of the bytes it came
 from (the kept source expert, the kept router rows, or the unchanged tensor), with
-the same dtype and shape; nothing is missing and nothing is extra.
+the same dtype and shape; nothing is missing and nothing is extra. A non-expert tensor
+the manifest records as written from memory (``checkpoint.replaced_tensors``: router
+rows fitted after the cut) must instead have the recorded sha256; it is listed in
+``info["differs_from_source"]`` with the recorded reason. Expert bytes always come
+from the source.
 """
 
 from __future__ import annotations
@@ -466,6 +470,24 @@ def _check_manifest(
     return block_kept
 
 
+def _recorded_replacement(manifest, out_name: str, source_name: str, got, report) -> bool:
+    """Whether ``out_name``, which differs from the source, is a tensor the manifest
+    records as written from memory (``checkpoint.replaced_tensors``: a fitted router)
+    with exactly these bytes; adds it to ``report.info["differs_from_source"]`` with the
+    recorded reason. Expert tensors are never accepted."""
+    record = ((manifest.get("checkpoint") or {}).get("replaced_tensors") or {}).get(out_name)
+    if not isinstance(record, dict) or ".experts." in out_name:
+        return False
+    if record.get("source") != source_name or record.get("sha256") != got:
+        report.fail(
+            f"{out_name}: sha256 {str(got)[:16]}... is neither source {source_name}'s nor the "
+            f"manifest's recorded replacement {str(record.get('sha256'))[:16]}..."
+        )
+        return True
+    report.info.setdefault("differs_from_source", {})[out_name] = record.get("reason", "")
+    return True
+
+
 def _compare_with_source(
     src: Path, manifest, block_kept, dst_entries, dst_tensor_sha, report, progress
 ) -> None:
@@ -537,6 +559,8 @@ def _compare_with_source(
             )
             continue
         got, want = dst_tensor_sha.get(out_name), src_sha.get(out_name)
+        if got != want and _recorded_replacement(manifest, out_name, name, got, report):
+            continue
         if got != want:
             report.fail(
                 f"{out_name}: sha256 {str(got)[:16]}... differs from source {name} {str(want)[:16]}..."

@@ -268,6 +268,8 @@ def register(app: typer.Typer) -> None:
             )
             + ")"
         )
+        for name, why in sorted((info.get("differs_from_source") or {}).items()):
+            typer.echo(f"  {name}: differs from the source: {why} (recorded in the manifest)")
         if vllm:
             _verify_with_vllm(
                 dst,
