@@ -26,11 +26,13 @@ from .checkpoint.compressed_save import compressed_source, route_save_through_re
 from .checkpoint.manifest import build_manifest, tool_versions
 from .fileio import sha256_file, write_json_atomic
 from .models import MoEArchitecture, find_moe_architecture
+from .models.refusals import check_prunable
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
 from .scores.baselines import baseline_saliency, baseline_scores, layer_number, model_fingerprint
 from .scores.keep_count import KeepCount, PlanError, compute_keep_count
 from .scores.plan import PruningPlan
 from .surgery import apply_plan, check_plan_fits
+from .wholeness import check_whole
 
 __all__ = ["REAPPruningModifier"]
 
@@ -195,6 +197,7 @@ class REAPPruningModifier(Modifier):
     def on_initialize(self, state: State, **kwargs) -> bool:
         # structure only: works on packed (compressed-tensors) experts
         self._arch = find_moe_architecture(state.model, self.ignore)
+        check_prunable(state.model, self._arch)  # routings pruning cannot keep exact
         arch = self._arch
         self._cpu_group = distributed.make_cpu_group()
         if self.plan_in is not None:
@@ -337,15 +340,28 @@ class REAPPruningModifier(Modifier):
         )
         self._scores = scores
         if scores.total_tokens() == 0:
-            raise RuntimeError(
-                "REAP observed no tokens: no calibration data reached the MoE layers. "
-                "Pass a dataset to oneshot (num_calibration_samples > 0)."
-            )
+            raise RuntimeError(self._no_tokens_message(model))
         if self.scores_path is not None and distributed.is_source_process():
             scores.save(self.scores_path)
             logger.info(f"REAP: wrote scores to {self.scores_path}")
         counts = {name: stats["count"] for name, stats in scores.layers.items()}
         self._cut(model, scores.saliency(self.saliency), counts)
+
+    def _no_tokens_message(self, model: torch.nn.Module) -> str:
+        """Why no token reached the MoE blocks: no data, or a pipeline that never called them."""
+        batches = self._observer.pipeline_batches if self._observer is not None else 0
+        if batches:
+            family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+            return (
+                f"REAP observed no tokens although the sequential pipeline cached {batches} "
+                f"calibration batches: it never called the MoE blocks of {family} "
+                f"({type(model).__name__}; its traced layers are not the ones holding the "
+                'experts). Run oneshot with pipeline="basic".'
+            )
+        return (
+            "REAP observed no tokens: no calibration data reached the MoE layers. "
+            "Pass a dataset to oneshot (num_calibration_samples > 0)."
+        )
 
     def _load_scores_in(self) -> ExpertScores:
         """Read ``scores_in`` and check it belongs to this model (before any change)."""
@@ -409,6 +425,16 @@ class REAPPruningModifier(Modifier):
     def _apply(self, model: torch.nn.Module, plan: PruningPlan) -> None:
         self._plan = plan
         apply_plan(model, self._arch, plan)
+        # before any output is written: every tensor cut, one forward runs (packed
+        # experts: the checkpoint rewriter verifies instead of decompressing the model)
+        sample = self._observer.sample_ids if self._observer is not None else None
+        check_whole(
+            model,
+            self._arch,
+            plan.num_experts,
+            sample_ids=sample,
+            run_forward=not compressed_modules(model),
+        )
         if distributed.is_source_process():
             self._write_outputs(plan)
 
