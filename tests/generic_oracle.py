@@ -72,7 +72,7 @@ def generic_masked_routing(arch, dropped: dict[str, list[int]]):
     try:
         for layer in arch.layers:
             ids = dropped.get(layer.name, [])
-            E = int(layer.router.weight.shape[0])
+            E = int(layer.router_weight().shape[0])
             mask = torch.zeros(E)
             mask[list(ids)] = float("-inf")
             for _name, _module, attr, t in routing_tensors(layer):
@@ -84,7 +84,7 @@ def generic_masked_routing(arch, dropped: dict[str, list[int]]):
                     with torch.no_grad():
                         t.add_(mask.view(shape).to(t.dtype))
                     saved.append((t, old))
-            mode = _MaskRouterLogits(layer.router.weight, mask)
+            mode = _MaskRouterLogits(layer.router_weight(), mask)
             block = layer.block
             inner = block.forward
 

@@ -444,7 +444,7 @@ class REAPPruningModifier(Modifier):
         weights = {}
         for layer in layers if layers is not None else self._arch.layers:
             with align_module_device(layer.router):
-                weights[layer.name] = layer.router.weight.detach().to("cpu").clone()
+                weights[layer.name] = layer.router_weight().detach().to("cpu").clone()
         return weights
 
     def _fingerprint(self) -> str:

@@ -142,7 +142,7 @@ def prune_layer(layer: MoELayer, kept: list[int], num_experts: int) -> None:
     # some families keep the correction bias on the block itself
     _select_rows(layer.block, "e_score_correction_bias", index, num_experts)
     _cut_routing_tensors(layer, kept, num_experts)
-    for module in (layer.block, router, experts):
+    for module in (layer.block, *router.modules(), experts):
         _update_module_counts(module, len(kept), num_experts)
 
 

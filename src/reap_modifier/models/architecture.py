@@ -31,6 +31,7 @@ __all__ = [
     "MoELayer",
     "NoMoEError",
     "find_moe_architecture",
+    "router_weight_of",
 ]
 
 
@@ -56,7 +57,7 @@ class MoELayer:
         return getattr(self.block, EXPERTS_ATTR)
 
     def router_weight(self) -> torch.Tensor:
-        return self.router.weight
+        return router_weight_of(self.router)
 
 
 @dataclass
@@ -93,6 +94,17 @@ class MoEArchitecture:
         }
 
 
+def router_weight_of(router: nn.Module) -> torch.Tensor | None:
+    """The router's ``[E, hidden]`` logits weight: its own ``weight``, or that of its
+    only ``nn.Linear`` child (AFMoE's ``router.gate``, Hunyuan's ``gate.wg``, DBRX's
+    ``router.layer``)."""
+    weight = getattr(router, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight
+    linears = [m for m in router.children() if isinstance(m, nn.Linear)]
+    return linears[0].weight if len(linears) == 1 else None
+
+
 def _classify(module: nn.Module) -> tuple[str, str] | None:
     experts = getattr(module, EXPERTS_ATTR, None)
     if experts is None or not isinstance(experts, nn.Module):
@@ -103,7 +115,7 @@ def _classify(module: nn.Module) -> tuple[str, str] | None:
     if router_attr is None:
         return None
     router = getattr(module, router_attr)
-    if not isinstance(getattr(router, "weight", None), torch.Tensor):
+    if router_weight_of(router) is None:
         return None
     adapter = adapter_for(module, experts, router)
     return (router_attr, adapter.kind) if adapter is not None else None
@@ -145,9 +157,8 @@ def find_moe_architecture(model: nn.Module, ignore: list[str] | None = None) -> 
     if not found and not ignored:
         raise NoMoEError(
             f"{type(model).__name__} has no MoE layer REAP can prune (looked for blocks "
-            f"with an `experts` module and a `gate`/`router` holding a weight). Supported: "
-            "Kimi K3 / Kimi Linear, DeepSeek-V3, Qwen3-MoE, OLMoE, Mixtral, GLM4-MoE, "
-            "GPT-OSS, and any llm-compressor LinearExperts2D model."
+            f"with an `experts` module and a `gate`/`router` holding a weight). "
+            "docs/families.md lists every family and whether it prunes."
         )
     if ignored:
         if not found:
@@ -177,7 +188,7 @@ def find_moe_architecture(model: nn.Module, ignore: list[str] | None = None) -> 
     _, topk_group = first_key(cfg, TOPK_GROUP_KEYS)
 
     for layer in found:
-        rows = layer.router.weight.shape[0]
+        rows = layer.router_weight().shape[0]
         if rows != num_experts:
             raise ValueError(
                 f"{layer.name}: router has {rows} rows but the config says "
