@@ -11,13 +11,16 @@ from pathlib import Path
 
 import torch
 from conftest import calibration_samples, make_dataset
-from family_zoo import build_family, model_class
+from family_zoo import build_family
 from generic_oracle import generic_masked_routing
 
 from reap_modifier import REAPPruningModifier
 from reap_modifier.models import find_moe_architecture
 
-__all__ = ["FlowResult", "run_family"]
+__all__ = ["REFUSALS", "FlowResult", "run_family"]
+
+#: the product's clear refusals (anything else raised in the flow is a failure)
+REFUSALS = ("NoMoEError", "UnsupportedMoEError", "WholenessError", "PlanError", "ValueError")
 
 
 @dataclasses.dataclass
@@ -42,7 +45,11 @@ def _layout(arch) -> tuple[str, str]:
     return router, f"fused {type(experts).__name__}"
 
 
-def run_family(family: str, root: Path, tokenizer, dataset=None, **overrides) -> FlowResult:
+def run_family(
+    family: str, root: Path, tokenizer, dataset=None, prepare=None, **overrides
+) -> FlowResult:
+    """:param prepare: called on the loaded model before ``oneshot`` (tests that plant
+    a defect)"""
     from llmcompressor import oneshot
 
     result = FlowResult(family)
@@ -50,8 +57,10 @@ def run_family(family: str, root: Path, tokenizer, dataset=None, **overrides) ->
     result.model_class = type(model).__name__
     src = root / f"{family}-src"
     model.save_pretrained(src)
-    cls = model_class(family, model.config)
+    cls = type(model)
     model = cls.from_pretrained(src, dtype=torch.float32).eval()
+    if prepare is not None:
+        prepare(model)
     ids = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(5))
     dst = root / f"{family}-out"
     modifier = REAPPruningModifier(sparsity=0.5)
@@ -69,8 +78,8 @@ def run_family(family: str, root: Path, tokenizer, dataset=None, **overrides) ->
             num_calibration_samples=len(dataset),
             output_dir=str(dst),
         )
-    except Exception as exc:  # the refusal under test
-        result.status = "refused"
+    except Exception as exc:  # a refusal by the product, or a failure
+        result.status = "refused" if type(exc).__name__ in REFUSALS else "fails"
         result.error = f"{type(exc).__name__}: {exc}"
         result.written = sorted(
             p.name for p in dst.glob("*") if p.suffix in (".safetensors", ".bin", ".json")

@@ -72,17 +72,18 @@ def generic_masked_routing(arch, dropped: dict[str, list[int]]):
     try:
         for layer in arch.layers:
             ids = dropped.get(layer.name, [])
-            E = int(layer.router_weight().shape[0])
-            mask = torch.zeros(E)
+            E = int(layer.router_weight().shape[0]) - layer.extra_rows
+            mask = torch.zeros(E + layer.extra_rows)  # trailing non-expert rows: unmasked
             mask[list(ids)] = float("-inf")
             for _name, _module, attr, t in routing_tensors(layer):
                 if "bias" in attr and t.is_floating_point() and E in t.shape:
                     dim = list(t.shape).index(E)
+                    bias_mask = mask[:E]
                     old = t.detach().clone()
                     shape = [1] * t.dim()
                     shape[dim] = E
                     with torch.no_grad():
-                        t.add_(mask.view(shape).to(t.dtype))
+                        t.add_(bias_mask.view(shape).to(t.dtype))
                     saved.append((t, old))
             mode = _MaskRouterLogits(layer.router_weight(), mask)
             block = layer.block

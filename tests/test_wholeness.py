@@ -113,21 +113,12 @@ def test_hash_routed_model_refused_before_calibration(tmp_path, tokenizer):
 
 def test_a_tensor_nothing_can_cut_is_named_and_nothing_is_written(tmp_path, tokenizer):
     """A per-expert matrix on the block that surgery does not know: named, no output."""
-    import family_flow
 
-    real = family_flow.build_family
-
-    def with_mystery(family, seed=0, **kw):
-        model, vocab = real(family, seed=seed, **kw)
+    def plant(model):
         for layer in find_moe_architecture(model).layers:
             layer.block.register_buffer("mystery", torch.ones(8, 3))
-        return model, vocab
 
-    family_flow.build_family = with_mystery
-    try:
-        result = family_flow.run_family("qwen3_moe", tmp_path, tokenizer)
-    finally:
-        family_flow.build_family = real
+    result = run_family("qwen3_moe", tmp_path, tokenizer, prepare=plant)
     assert result.status == "refused", result
     assert "WholenessError" in result.error and ".mystery: shape (8, 3)" in result.error
     assert result.written == []

@@ -139,6 +139,11 @@ def prune_layer(layer: MoELayer, kept: list[int], num_experts: int) -> None:
     router = layer.router
     for attr in _ROUTER_ROW_TENSORS:
         _select_rows(router, attr, index, num_experts)
+    if layer.extra_rows:  # trailing non-expert rows (shared-expert logits) stay
+        total = num_experts + layer.extra_rows
+        rows = torch.cat([index, torch.arange(num_experts, total)])
+        for attr in ("weight", "bias"):
+            _select_rows(router, attr, rows, total)
     # some families keep the correction bias on the block itself
     _select_rows(layer.block, "e_score_correction_bias", index, num_experts)
     _cut_routing_tensors(layer, kept, num_experts)

@@ -30,6 +30,7 @@ __all__ = [
     "MoEArchitecture",
     "MoELayer",
     "NoMoEError",
+    "UnsupportedMoEError",
     "find_moe_architecture",
     "router_weight_of",
 ]
@@ -37,6 +38,11 @@ __all__ = [
 
 class NoMoEError(ValueError):
     """The model has no MoE layer this package can prune."""
+
+
+class UnsupportedMoEError(ValueError):
+    """The model's MoE layers have a routing REAP cannot prune exactly (refused before
+    calibration; the rules are in :mod:`.refusals`)."""
 
 
 @dataclass
@@ -47,6 +53,9 @@ class MoELayer:
     block: nn.Module
     router_attr: str
     kind: str  # "experts_call" | "kimi"
+    #: router rows after the routed experts' (Inkling: one logit per shared expert,
+    #: which joins the weight normalisation); kept as they are by surgery
+    extra_rows: int = 0
 
     @property
     def router(self) -> nn.Module:
@@ -189,7 +198,19 @@ def find_moe_architecture(model: nn.Module, ignore: list[str] | None = None) -> 
 
     for layer in found:
         rows = layer.router_weight().shape[0]
-        if rows != num_experts:
+        shared = getattr(layer.router, "n_shared_experts", 0)
+        if isinstance(shared, int) and shared > 0 and rows == num_experts + shared:
+            layer.extra_rows = shared
+        elif rows > num_experts:
+            family = getattr(model.config, "model_type", type(model).__name__)
+            raise UnsupportedMoEError(
+                f"{family} ({type(model).__name__}): {layer.name}: the router has {rows} "
+                f"rows for {count_keys[0]}={num_experts} routed experts; the other "
+                f"{rows - num_experts} route to slots that are not routed experts (e.g. "
+                "LongCat-Flash's zero-computation experts), which REAP cannot renumber "
+                "yet. Not supported: no workaround in this version (docs/families.md)."
+            )
+        elif rows != num_experts:
             raise ValueError(
                 f"{layer.name}: router has {rows} rows but the config says "
                 f"{count_keys[0]}={num_experts}; the model is inconsistent"

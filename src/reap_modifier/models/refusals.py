@@ -12,13 +12,9 @@ import inspect
 
 from torch import nn
 
-from .architecture import MoEArchitecture, MoELayer
+from .architecture import MoEArchitecture, MoELayer, UnsupportedMoEError
 
 __all__ = ["UnsupportedMoEError", "check_prunable"]
-
-
-class UnsupportedMoEError(ValueError):
-    """The model's MoE layers have a routing REAP cannot prune exactly."""
 
 
 def _model_type(model: nn.Module) -> str:
