@@ -33,7 +33,7 @@ def _hash_table(layer: MoELayer) -> str | None:
 def _input_gated(layer: MoELayer) -> bool:
     """Experts called with the hidden states only (the router score already multiplied
     into their input, every expert sees every token): Llama-4's ``experts(routed_in)``."""
-    if layer.kind != "experts_call" or isinstance(layer.experts, nn.ModuleList):
+    if layer.kind != "experts_call":  # (llm-compressor's linearized Llama-4 experts too)
         return False
     try:
         params = [
