@@ -178,7 +178,10 @@ def build_family(model_type: str, seed: int = 0, **overrides):
     except AttributeError:  # a text-only class mapped to a wrapper config (Llama-4)
         from transformers import AutoModelForImageTextToText
 
-        model = AutoModelForImageTextToText._model_mapping[type(cfg)](cfg)
+        mapping = AutoModelForImageTextToText._model_mapping
+        if type(cfg) not in mapping:
+            raise
+        model = mapping[type(cfg)](cfg)
     model = model.float().eval()
     init_weights_(model, seed=seed, family=model_type)
     text = getattr(cfg, "text_config", None) or cfg
