@@ -133,3 +133,20 @@ def test_a_forward_that_fails_is_a_wholeness_error():
     arch.layers[0].block.register_forward_pre_hook(boom)
     with pytest.raises(WholenessError, match="fails its first forward.*index 7"):
         check_whole(model, arch, 8, sample_ids=ids)
+
+
+def test_no_tokens_names_the_pipeline_when_batches_were_cached():
+    """The sequential pipeline cached batches but never called the MoE blocks (e.g. a
+    wrapper whose traced layers are not the ones holding the experts): the message must
+    say pipeline="basic", not "pass a dataset"."""
+    from types import SimpleNamespace
+
+    from reap_modifier import REAPPruningModifier
+
+    model, _ = build_family("qwen3_moe", seed=0)
+    modifier = REAPPruningModifier(sparsity=0.5)
+    modifier._observer = SimpleNamespace(pipeline_batches=3)
+    message = modifier._no_tokens_message(model)
+    assert 'pipeline="basic"' in message and "qwen3_moe" in message and "3" in message
+    modifier._observer = SimpleNamespace(pipeline_batches=0)
+    assert "Pass a dataset" in modifier._no_tokens_message(model)
