@@ -38,12 +38,14 @@ from .fileio import sha256_file, write_json_atomic
 from .layerwise import LayerwiseCut
 from .models import MoEArchitecture, find_moe_architecture
 from .models.loading import register_kimi_auto_classes
+from .models.refusals import check_prunable
 from .router_fit import FIT_METHOD, RouterFitError, fit_router, router_fit_problem
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
 from .scores.baselines import baseline_saliency, baseline_scores, layer_number, model_fingerprint
 from .scores.keep_count import KeepCount, PlanError, compute_keep_count
 from .scores.plan import PruningPlan, check_propagated_cut, cut_plan
 from .surgery import apply_plan, check_plan_fits, update_config_counts
+from .wholeness import check_whole
 
 __all__ = ["REAPPruningModifier", "recipe_keeps_experts_packed"]
 
@@ -250,6 +252,7 @@ class REAPPruningModifier(Modifier):
     def on_initialize(self, state: State, **kwargs) -> bool:
         # structure only: works on packed (compressed-tensors) experts
         self._arch = find_moe_architecture(state.model, self.ignore)
+        check_prunable(state.model, self._arch)  # routings pruning cannot keep exact
         arch = self._arch
         if self.calibrate_router:
             self._check_router_fit(state)
@@ -452,10 +455,7 @@ class REAPPruningModifier(Modifier):
         )
         self._scores = scores
         if scores.total_tokens() == 0:
-            raise RuntimeError(
-                "REAP observed no tokens: no calibration data reached the MoE layers. "
-                "Pass a dataset to oneshot (num_calibration_samples > 0)."
-            )
+            raise RuntimeError(self._no_tokens_message(model))
         if self.scores_path is not None and distributed.is_source_process():
             scores.save(self.scores_path)
             logger.info(f"REAP: wrote scores to {self.scores_path}")
@@ -484,6 +484,22 @@ class REAPPruningModifier(Modifier):
         )
         if distributed.is_source_process():
             self._write_outputs(plan)
+
+    def _no_tokens_message(self, model: torch.nn.Module) -> str:
+        """Why no token reached the MoE blocks: no data, or a pipeline that never called them."""
+        batches = self._observer.pipeline_batches if self._observer is not None else 0
+        if batches:
+            family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+            return (
+                f"REAP observed no tokens although the sequential pipeline cached {batches} "
+                f"calibration batches: it never called the MoE blocks of {family} "
+                f"({type(model).__name__}; its traced layers are not the ones holding the "
+                'experts). Run oneshot with pipeline="basic".'
+            )
+        return (
+            "REAP observed no tokens: no calibration data reached the MoE layers. "
+            "Pass a dataset to oneshot (num_calibration_samples > 0)."
+        )
 
     def _load_scores_in(self) -> ExpertScores:
         """Read ``scores_in`` and check it belongs to this model (before any change)."""
@@ -567,6 +583,16 @@ class REAPPruningModifier(Modifier):
             return
         self._plan = plan
         apply_plan(model, self._arch, plan)
+        # before any output is written: every tensor cut, one forward runs (packed
+        # experts: the checkpoint rewriter verifies instead of decompressing the model)
+        sample = self._observer.sample_ids if self._observer is not None else None
+        check_whole(
+            model,
+            self._arch,
+            plan.num_experts,
+            sample_ids=sample,
+            run_forward=not compressed_modules(model),
+        )
         if distributed.is_source_process():
             self._write_outputs(plan)
 
@@ -576,7 +602,7 @@ class REAPPruningModifier(Modifier):
         weights = {}
         for layer in layers if layers is not None else self._arch.layers:
             with align_module_device(layer.router):
-                weights[layer.name] = layer.router.weight.detach().to("cpu").clone()
+                weights[layer.name] = layer.router_weight().detach().to("cpu").clone()
         return weights
 
     def _fingerprint(self) -> str:

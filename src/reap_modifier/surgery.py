@@ -2,8 +2,11 @@
 
 Per MoE layer: keep the planned experts (ascending original order, renumbered
 0..n-1), slice the router's weight / bias / ``e_score_correction_bias`` rows
-(keeping Parameter vs buffer), update every module attribute that mirrors the expert
-count, and finally the count keys of the (text) config.
+(keeping Parameter vs buffer), cut every other per-expert routing tensor of the router
+or the block whatever its name or rank (``expert_bias``, a ``[1, E]`` statics bias),
+remap token -> expert tables where that is exact, update every module attribute that
+mirrors the expert count, and finally the count keys of the (text) config.
+:mod:`reap_modifier.wholeness` then proves nothing was left behind.
 """
 
 from __future__ import annotations
@@ -40,6 +43,63 @@ def _select_rows(module: nn.Module, attr: str, index: torch.Tensor, num_experts:
     else:
         # buffers: `to_tensor` keeps offloaded buffers offloaded
         setattr(module, attr, to_tensor(rows, current))
+
+
+def _select_dim(module: nn.Module, attr: str, index: torch.Tensor, dim: int) -> None:
+    """Replace ``module.<attr>`` by its entries ``index`` along ``dim`` (Parameter vs
+    buffer kept)."""
+    current = getattr(module, attr)
+    with align_module_device(module):
+        live = getattr(module, attr)
+        cut = live.detach().index_select(dim, index.to(live.device)).contiguous()
+    if isinstance(current, nn.Parameter):
+        setattr(module, attr, nn.Parameter(cut, requires_grad=current.requires_grad))
+    else:
+        setattr(module, attr, to_tensor(cut, current))
+
+
+def _remap_table(name: str, module: nn.Module, attr: str, kept: list[int], num_experts: int):
+    """A token -> expert table: renumber to the kept experts when it references only
+    kept ones (then routing is exactly the masked routing); otherwise refuse."""
+    table = getattr(module, attr)
+    if table.numel() == 0 or int(table.min()) < 0 or int(table.max()) >= num_experts:
+        return  # not expert ids
+    new_id = torch.full((num_experts,), -1, dtype=table.dtype)
+    new_id[torch.tensor(kept)] = torch.arange(len(kept), dtype=table.dtype)
+    remapped = new_id.to(table.device)[table.long()]
+    if bool((remapped < 0).any()):
+        dropped = sorted(set(table.unique().tolist()) - set(kept))
+        raise PlanError(
+            f"{name}: token -> expert table routes tokens to dropped experts {dropped[:8]}; "
+            "a hash-routed layer has no pruned equivalent of masking them. Keep those "
+            "experts in this layer's plan or leave hash-routed models unpruned."
+        )
+    if isinstance(table, nn.Parameter):
+        setattr(module, attr, nn.Parameter(remapped, requires_grad=False))
+    else:
+        setattr(module, attr, to_tensor(remapped, table))
+
+
+def _cut_routing_tensors(layer: MoELayer, kept: list[int], num_experts: int) -> None:
+    """Per-expert tensors of the router (any depth) and of the block (direct) not
+    named like the classic router rows: leading-dim rows of the router, expert-count
+    vectors (``[E]``, ``[1, E]``) of either, token -> expert tables."""
+    from .wholeness import is_table, routing_tensors
+
+    index = torch.tensor(kept, dtype=torch.long)
+    for name, module, attr, tensor in list(routing_tensors(layer)):
+        if tensor.device.type == "meta":
+            continue
+        if is_table(tensor):
+            _remap_table(name, module, attr, kept, num_experts)
+            continue
+        dims = [d for d, size in enumerate(tensor.shape) if size == num_experts]
+        if len(dims) != 1:
+            continue  # already cut, not per expert, or ambiguous (the wholeness check names it)
+        in_router = module is not layer.block
+        vector = all(size == 1 for d, size in enumerate(tensor.shape) if d != dims[0])
+        if vector or (in_router and dims[0] == 0):
+            _select_dim(module, attr, index, dims[0])
 
 
 def _update_module_counts(module: nn.Module, new_count: int, old_count: int) -> None:
@@ -79,9 +139,15 @@ def prune_layer(layer: MoELayer, kept: list[int], num_experts: int) -> None:
     router = layer.router
     for attr in _ROUTER_ROW_TENSORS:
         _select_rows(router, attr, index, num_experts)
+    if layer.extra_rows:  # trailing non-expert rows (shared-expert logits) stay
+        total = num_experts + layer.extra_rows
+        rows = torch.cat([index, torch.arange(num_experts, total)])
+        for attr in ("weight", "bias"):
+            _select_rows(router, attr, rows, total)
     # some families keep the correction bias on the block itself
     _select_rows(layer.block, "e_score_correction_bias", index, num_experts)
-    for module in (layer.block, router, experts):
+    _cut_routing_tensors(layer, kept, num_experts)
+    for module in (layer.block, *router.modules(), experts):
         _update_module_counts(module, len(kept), num_experts)
 
 

@@ -97,6 +97,11 @@ class SaliencyObserver:
         self._call_tokens: BatchTokens | None = None
         self._cached_batches: list[BatchTokens | None] = []
         self._block_tokens: dict[str, tuple[BatchTokens | None, torch.Tensor | None]] = {}
+        #: the first calibration sample's ids (``[1, <=16]``): the wholeness check's forward
+        self.sample_ids: torch.Tensor | None = None
+        #: batches the sequential pipeline cached (kept after ``detach``): tells "no
+        #: data" apart from "a pipeline that never called the MoE blocks"
+        self.pipeline_batches = 0
 
     # -- registration -------------------------------------------------------------
 
@@ -134,6 +139,7 @@ class SaliencyObserver:
                 except TypeError:
                     pass
             self._call_tokens = batch_tokens(bound.get("input_ids"), bound.get("attention_mask"))
+            self._keep_sample(bound.get("input_ids"))
 
         def post(module, args, output):
             self._call_tokens = None
@@ -143,7 +149,14 @@ class SaliencyObserver:
 
     # -- padding ------------------------------------------------------------------------
 
+    def _keep_sample(self, input_ids) -> None:
+        if self.sample_ids is None and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+            self.sample_ids = input_ids[:1, :16].detach().to("cpu").clone()
+
     def _on_cached_batches(self, batches: list[dict]) -> None:
+        if batches:
+            self._keep_sample(batches[0].get("input_ids"))
+        self.pipeline_batches = max(self.pipeline_batches, len(batches))
         self._cached_batches = [
             batch_tokens(b.get("input_ids"), b.get("attention_mask")) for b in batches
         ]

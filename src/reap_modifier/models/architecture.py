@@ -31,12 +31,19 @@ __all__ = [
     "MoEArchitecture",
     "MoELayer",
     "NoMoEError",
+    "UnsupportedMoEError",
     "find_moe_architecture",
+    "router_weight_of",
 ]
 
 
 class NoMoEError(ValueError):
     """The model has no MoE layer this package can prune."""
+
+
+class UnsupportedMoEError(ValueError):
+    """The model's MoE layers have a routing REAP cannot prune exactly (refused before
+    calibration; the rules are in :mod:`.refusals`)."""
 
 
 @dataclass
@@ -47,6 +54,9 @@ class MoELayer:
     block: nn.Module
     router_attr: str
     kind: str  # "experts_call" | "kimi"
+    #: router rows after the routed experts' (Inkling: one logit per shared expert,
+    #: which joins the weight normalisation); kept as they are by surgery
+    extra_rows: int = 0
 
     @property
     def router(self) -> nn.Module:
@@ -55,6 +65,9 @@ class MoELayer:
     @property
     def experts(self) -> nn.Module:
         return getattr(self.block, EXPERTS_ATTR)
+
+    def router_weight(self) -> torch.Tensor:
+        return router_weight_of(self.router)
 
 
 @dataclass
@@ -91,6 +104,17 @@ class MoEArchitecture:
         }
 
 
+def router_weight_of(router: nn.Module) -> torch.Tensor | None:
+    """The router's ``[E, hidden]`` logits weight: its own ``weight``, or that of its
+    only ``nn.Linear`` child (AFMoE's ``router.gate``, Hunyuan's ``gate.wg``, DBRX's
+    ``router.layer``)."""
+    weight = getattr(router, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight
+    linears = [m for m in router.children() if isinstance(m, nn.Linear)]
+    return linears[0].weight if len(linears) == 1 else None
+
+
 def _classify(module: nn.Module) -> tuple[str, str] | None:
     experts = getattr(module, EXPERTS_ATTR, None)
     if experts is None or not isinstance(experts, nn.Module):
@@ -101,7 +125,7 @@ def _classify(module: nn.Module) -> tuple[str, str] | None:
     if router_attr is None:
         return None
     router = getattr(module, router_attr)
-    if not isinstance(getattr(router, "weight", None), torch.Tensor):
+    if router_weight_of(router) is None:
         return None
     adapter = adapter_for(module, experts, router)
     return (router_attr, adapter.kind) if adapter is not None else None
@@ -143,9 +167,8 @@ def find_moe_architecture(model: nn.Module, ignore: list[str] | None = None) -> 
     if not found and not ignored:
         raise NoMoEError(
             f"{type(model).__name__} has no MoE layer REAP can prune (looked for blocks "
-            f"with an `experts` module and a `gate`/`router` holding a weight). Supported: "
-            "Kimi K3 / Kimi Linear, DeepSeek-V3, Qwen3-MoE, OLMoE, Mixtral, GLM4-MoE, "
-            "GPT-OSS, and any llm-compressor LinearExperts2D model."
+            f"with an `experts` module and a `gate`/`router` holding a weight). "
+            "docs/families.md lists every family and whether it prunes."
         )
     if ignored:
         if not found:
@@ -175,8 +198,20 @@ def find_moe_architecture(model: nn.Module, ignore: list[str] | None = None) -> 
     _, topk_group = first_key(cfg, TOPK_GROUP_KEYS)
 
     for layer in found:
-        rows = layer.router.weight.shape[0]
-        if rows != num_experts:
+        rows = layer.router_weight().shape[0]
+        shared = getattr(layer.router, "n_shared_experts", 0)
+        if isinstance(shared, int) and shared > 0 and rows == num_experts + shared:
+            layer.extra_rows = shared
+        elif rows > num_experts:
+            family = getattr(model.config, "model_type", type(model).__name__)
+            raise UnsupportedMoEError(
+                f"{family} ({type(model).__name__}): {layer.name}: the router has {rows} "
+                f"rows for {count_keys[0]}={num_experts} routed experts; the other "
+                f"{rows - num_experts} route to slots that are not routed experts (e.g. "
+                "LongCat-Flash's zero-computation experts), which REAP cannot renumber "
+                "yet. Not supported: no workaround in this version (docs/families.md)."
+            )
+        elif rows != num_experts:
             raise ValueError(
                 f"{layer.name}: router has {rows} rows but the config says "
                 f"{count_keys[0]}={num_experts}; the model is inconsistent"
