@@ -13,13 +13,14 @@ tokenizer, or a plain callable ``text -> list[int]``.
 from __future__ import annotations
 
 import json
-import random
 import re
 import unicodedata
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
+
+from ..evaluation.texts import encode, eos_id, sample_windows, shuffled
 
 LANGS: tuple[str, ...] = ("en", "zh", "code")
 SPLITS: tuple[str, ...] = ("train", "calib", "eval")
@@ -320,66 +321,6 @@ def source_counts(records: Iterable[Record]) -> dict[str, int]:
 # ----------------------------------------------------------------------------- tokenisation
 
 
-def encode(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text`` without special tokens, for a ``tokenizers.Tokenizer``, a transformers
-    tokenizer or a callable."""
-    try:  # tokenizers.Tokenizer
-        from tokenizers import Tokenizer
-
-        if isinstance(tokenizer, Tokenizer):
-            return list(tokenizer.encode(text, add_special_tokens=False).ids)
-    except ImportError:  # pragma: no cover
-        pass
-    if hasattr(tokenizer, "encode") and hasattr(tokenizer, "convert_ids_to_tokens"):
-        # verbose=False: paragraphs longer than model_max_length are fine here (they get packed)
-        return list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
-    if callable(tokenizer):
-        return list(tokenizer(text))
-    raise TypeError(f"cannot encode with {type(tokenizer).__name__}")
-
-
-def eos_id(tokenizer: Any, default: int | None = None) -> int | None:
-    for attr in ("eos_token_id",):
-        v = getattr(tokenizer, attr, None)
-        if isinstance(v, int):
-            return v
-    if hasattr(tokenizer, "token_to_id"):
-        for t in ("<|endoftext|>", "</s>", "<eos>"):
-            v = tokenizer.token_to_id(t)
-            if v is not None:
-                return v
-    return default
-
-
-def shuffled(records: Sequence[Record], seed: int, mix: str = "proportional") -> list[Record]:
-    """A seeded order over all records. ``proportional``: one global shuffle, so every source
-    contributes in proportion to its size; ``balanced``: sources are shuffled separately and
-    interleaved round-robin, so small sources are represented as much as large ones."""
-    rng = random.Random(seed)
-    if mix == "proportional":
-        out = list(records)
-        rng.shuffle(out)
-        return out
-    if mix != "balanced":
-        raise ValueError("mix must be 'proportional' or 'balanced'")
-    by_src: dict[str, list[Record]] = {}
-    for r in records:
-        by_src.setdefault(r["source"], []).append(r)
-    queues = []
-    for src in sorted(by_src):
-        q = list(by_src[src])
-        rng.shuffle(q)
-        queues.append(q)
-    out = []
-    i = 0
-    while any(queues):
-        q = queues[i % len(queues)]
-        if q:
-            out.append(q.pop())
-        i += 1
-    return out
-
-
 def packed_token_stream(
     records: Sequence[Record],
     tokenizer: Any,
@@ -459,19 +400,12 @@ def calibration_dataset(
 
 
 def eval_windows(
-    records: Sequence[Record],
-    tokenizer: Any,
-    n_windows: int,
-    seq_len: int = 256,
-    seed: int = 1234,
-    mix: str = "proportional",
+    records: Sequence[Record], tokenizer: Any, n_windows: int, seq_len: int = 256, seed: int = 1234
 ):
     """``n_windows`` full windows of ``seq_len`` token ids (a ``torch.LongTensor`` [n, seq_len]) from a
-    seeded sample of paragraphs across sources, for held-out NLL / perplexity."""
-    import torch
-
-    ids, _ = packed_token_stream(records, tokenizer, n_windows * seq_len, seed=seed, mix=mix)
-    return torch.tensor(windows(ids, seq_len, drop_last=True)[:n_windows], dtype=torch.long)
+    seeded sample of paragraphs across sources, for held-out NLL / perplexity: the windows
+    ``reap eval`` samples (:func:`reap_modifier.evaluation.texts.sample_windows`)."""
+    return sample_windows(records, tokenizer, n_windows, seq_len, seed)
 
 
 def tokenize_all(

@@ -144,24 +144,14 @@ def check_packed_scores(
 
 
 def pick_prompts(records: list, tokenizer, n: int, prompt_tokens: int, seed: int) -> list[dict]:
-    """``n`` prompts (the first ``prompt_tokens`` tokens of held-out paragraphs), sources taken in
-    turn (seeded)."""
-    from .data import encode, shuffled
+    """``n`` prompts (the first ``prompt_tokens`` tokens of held-out paragraphs, sources taken in
+    turn, seeded: :func:`reap_modifier.evaluation.texts.pick_prompts`) with their text."""
+    from ..evaluation.texts import pick_prompts as pick
 
-    out = []
-    for r in shuffled(records, seed, mix="balanced"):
-        ids = encode(tokenizer, r["text"])
-        if len(ids) >= prompt_tokens + 4:
-            out.append(
-                {
-                    "source": r["source"],
-                    "ids": ids[:prompt_tokens],
-                    "text": tokenizer.decode(ids[:prompt_tokens]),
-                }
-            )
-            if len(out) == n:
-                return out
-    raise ValueError(f"fewer than {n} held-out paragraphs hold {prompt_tokens + 4} tokens")
+    out = pick(records, tokenizer, n, prompt_tokens, seed)
+    if len(out) < n:
+        raise ValueError(f"fewer than {n} held-out paragraphs hold {prompt_tokens + 4} tokens")
+    return [{**p, "text": tokenizer.decode(p["ids"])} for p in out]
 
 
 # ----------------------------------------------------------------------------- the job

@@ -92,7 +92,15 @@ def _record(row: dict, field: str) -> dict:
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text`` without special tokens (a transformers tokenizer or a callable)."""
+    """Token ids of ``text`` without special tokens, for a ``tokenizers.Tokenizer``, a transformers
+    tokenizer or a callable."""
+    try:  # tokenizers.Tokenizer
+        from tokenizers import Tokenizer
+
+        if isinstance(tokenizer, Tokenizer):
+            return list(tokenizer.encode(text, add_special_tokens=False).ids)
+    except ImportError:  # pragma: no cover
+        pass
     if hasattr(tokenizer, "encode") and hasattr(tokenizer, "convert_ids_to_tokens"):
         # verbose=False: paragraphs longer than model_max_length are fine here (they get packed)
         return list(tokenizer.encode(text, add_special_tokens=False, verbose=False))
@@ -101,14 +109,23 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     raise TypeError(f"cannot encode with {type(tokenizer).__name__}")
 
 
-def eos_id(tokenizer: Any) -> int | None:
-    v = getattr(tokenizer, "eos_token_id", None)
-    return v if isinstance(v, int) else None
+def eos_id(tokenizer: Any, default: int | None = None) -> int | None:
+    for attr in ("eos_token_id",):
+        v = getattr(tokenizer, attr, None)
+        if isinstance(v, int):
+            return v
+    if hasattr(tokenizer, "token_to_id"):
+        for t in ("<|endoftext|>", "</s>", "<eos>"):
+            v = tokenizer.token_to_id(t)
+            if v is not None:
+                return v
+    return default
 
 
 def shuffled(records: Sequence[dict], seed: int, mix: str = "proportional") -> list[dict]:
-    """A seeded order over all records. ``proportional``: one global shuffle; ``balanced``:
-    sources shuffled separately and taken in turn (records without a source form one)."""
+    """A seeded order over all records. ``proportional``: one global shuffle, so every source
+    contributes in proportion to its size; ``balanced``: sources are shuffled separately and
+    interleaved round-robin, so small sources are represented as much as large ones."""
     rng = random.Random(seed)
     if mix == "proportional":
         out = list(records)
@@ -124,7 +141,8 @@ def shuffled(records: Sequence[dict], seed: int, mix: str = "proportional") -> l
         q = list(by_src[src])
         rng.shuffle(q)
         queues.append(q)
-    out, i = [], 0
+    out = []
+    i = 0
     while any(queues):
         q = queues[i % len(queues)]
         if q:
