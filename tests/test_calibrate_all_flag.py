@@ -11,6 +11,7 @@ from llmcompressor.modifiers import Modifier
 from tiny_models import build_tiny
 
 from reap_modifier import REAPPruningModifier
+from reap_modifier import modifier as modifier_module
 
 
 class Probe(Modifier):
@@ -30,14 +31,29 @@ class CalibratingProbe(Probe):
     requires_calibration_data: bool = True
 
 
-def _run(tmp_path, tokenizer, probe, **kwargs):
+def _run(tmp_path, tokenizer, monkeypatch, probe, **kwargs):
     from llmcompressor import oneshot
 
     model, _ = build_tiny("qwen3_moe", seed=0)
     model = save_and_reload(model, "qwen3_moe", tmp_path / "m")
     during: list[bool] = []
-    block = model.model.layers[0].mlp
-    block.register_forward_hook(lambda *a: during.append(get_calibrate_all_experts_flag()))
+    checking = []  # inside the wholeness check's forward of the pruned model (not calibration)
+    check_whole = modifier_module.check_whole
+
+    def check_whole_marked(*args, **kwargs):
+        checking.append(True)
+        try:
+            return check_whole(*args, **kwargs)
+        finally:
+            checking.pop()
+
+    monkeypatch.setattr(modifier_module, "check_whole", check_whole_marked)
+
+    def record(*args):
+        if not checking:
+            during.append(get_calibrate_all_experts_flag())
+
+    model.model.layers[0].mlp.register_forward_hook(record)
     reap = REAPPruningModifier(sparsity=0.5)
     oneshot(
         model=model,
@@ -50,9 +66,11 @@ def _run(tmp_path, tokenizer, probe, **kwargs):
     return reap, set(during), probe.seen
 
 
-def test_off_while_reap_calibrates_alone_and_restored(tmp_path, tokenizer):
+def test_off_while_reap_calibrates_alone_and_restored(tmp_path, tokenizer, monkeypatch):
     assert get_calibrate_all_experts_flag() is False
-    reap, during, after = _run(tmp_path, tokenizer, Probe(seen=[]))  # oneshot's default: on
+    reap, during, after = _run(
+        tmp_path, tokenizer, monkeypatch, Probe(seen=[])
+    )  # oneshot's default: on
     assert during == {False}
     assert after == [True]  # restored inside oneshot's context
     assert reap.scores.metadata["calibration"]["moe_calibrate_all_experts"] is False
@@ -60,8 +78,10 @@ def test_off_while_reap_calibrates_alone_and_restored(tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("pipeline", ["independent", "sequential"])
-def test_left_on_beside_another_calibrating_modifier(tmp_path, tokenizer, pipeline):
-    reap, during, after = _run(tmp_path, tokenizer, CalibratingProbe(seen=[]), pipeline=pipeline)
+def test_left_on_beside_another_calibrating_modifier(tmp_path, tokenizer, pipeline, monkeypatch):
+    reap, during, after = _run(
+        tmp_path, tokenizer, monkeypatch, CalibratingProbe(seen=[]), pipeline=pipeline
+    )
     if pipeline == "sequential":  # one calibration for both: the user's flag stands
         assert during == {True}
         assert reap.scores.metadata["calibration"]["moe_calibrate_all_experts"] is True
@@ -70,6 +90,8 @@ def test_left_on_beside_another_calibrating_modifier(tmp_path, tokenizer, pipeli
     assert after == [True]
 
 
-def test_user_setting_off_is_kept(tmp_path, tokenizer):
-    reap, during, after = _run(tmp_path, tokenizer, Probe(seen=[]), moe_calibrate_all_experts=False)
+def test_user_setting_off_is_kept(tmp_path, tokenizer, monkeypatch):
+    reap, during, after = _run(
+        tmp_path, tokenizer, monkeypatch, Probe(seen=[]), moe_calibrate_all_experts=False
+    )
     assert during == {False} and after == [False]
