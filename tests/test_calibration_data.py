@@ -160,14 +160,14 @@ def test_mask_that_does_not_fit_the_routed_tokens_is_an_error():
     model, _ = build_tiny("qwen3_moe", seed=31)
     arch = find_moe_architecture(model)
     observer = SaliencyObserver(arch, lambda *a, **k: None)
-    observer._call_tokens = BatchTokens(2, 10, torch.tensor([True] * 9 + [False]))
+    observer._batches.call = BatchTokens(2, 10, torch.tensor([True] * 9 + [False]))
     hidden = torch.zeros(2, 6, 32)
     with pytest.raises(
         RuntimeError, match="routes 12 positions but the batch's attention mask covers 10"
     ):
         observer._block_pre(arch.layers[0].name, arch.layers[0].block, (hidden,), {})
     # a mask without padding says nothing about positions: no error, all count
-    observer._call_tokens = BatchTokens(2, 12)
+    observer._batches.call = BatchTokens(2, 12)
     observer._block_pre(arch.layers[0].name, arch.layers[0].block, (hidden,), {})
 
 

@@ -10,21 +10,20 @@ its input ``[N, H]`` and of its output, copied to CPU in the model's dtype. Memo
 rows to the execution device at a time).
 
 Padding rows are told apart as the saliency observer does: by the attention mask of
-the model call, or of the pipeline's cached batch (see :mod:`reap_modifier.registries`).
+the model call, or of the pipeline's cached batch
+(:class:`~reap_modifier.calibration.tokens.BatchTokenTracker`).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 
-from .. import registries
 from ..models import MoEArchitecture
-from .tokens import BatchTokens, batch_tokens
+from .tokens import BatchTokenTracker
 
 __all__ = ["BlockIOCapture"]
 
@@ -52,21 +51,16 @@ class BlockIOCapture:
         self._inputs: dict[str, list[torch.Tensor]] = {n: [] for n in arch.layer_names}
         self._outputs: dict[str, list[torch.Tensor]] = {n: [] for n in arch.layer_names}
         self._count: dict[str, int] = dict.fromkeys(arch.layer_names, 0)
-        self._call_tokens: BatchTokens | None = None
-        self._cached_batches: list[BatchTokens | None] = []
+        self._batches = BatchTokenTracker()
 
     def attach(self) -> None:
-        registries.add_calibration_batch_listener(self._on_cached_batches)
-        if self._model is not None:
-            self._attach_model(self._model)
+        self._batches.attach(self._model, self._register)
         for layer in self.arch.layers:
             self._register(layer.block, partial(self._record, layer.name), "forward")
 
     def detach(self) -> None:
         """Stop listening to the pipeline (hooks are removed by their owner)."""
-        registries.remove_calibration_batch_listener(self._on_cached_batches)
-        self._cached_batches = []
-        self._call_tokens = None
+        self._batches.detach()
 
     def tokens(self, name: str) -> int:
         return self._count[name]
@@ -80,40 +74,8 @@ class BlockIOCapture:
 
     # -- hooks ------------------------------------------------------------------------
 
-    def _attach_model(self, model: torch.nn.Module) -> None:
-        try:
-            signature = inspect.signature(model.forward)
-        except (TypeError, ValueError):
-            signature = None
-
-        def pre(module, args, kwargs):
-            bound = dict(kwargs)
-            if args and signature is not None:
-                try:
-                    bound = dict(signature.bind_partial(*args, **kwargs).arguments)
-                except TypeError:
-                    pass
-            self._call_tokens = batch_tokens(bound.get("input_ids"), bound.get("attention_mask"))
-
-        def post(module, args, output):
-            self._call_tokens = None
-
-        self._register(model, pre, "forward_pre", with_kwargs=True)
-        self._register(model, post, "forward")
-
-    def _on_cached_batches(self, batches: list[dict]) -> None:
-        self._cached_batches = [
-            batch_tokens(b.get("input_ids"), b.get("attention_mask")) for b in batches
-        ]
-
     def _valid_rows(self, rows: int) -> torch.Tensor | None:
-        tokens = self._call_tokens
-        if tokens is None and self._cached_batches:
-            from llmcompressor.core import active_session
-
-            index = active_session().state.current_batch_idx
-            if 0 <= index < len(self._cached_batches):
-                tokens = self._cached_batches[index]
+        tokens = self._batches.current()
         if tokens is None or tokens.valid is None or tokens.valid.numel() != rows:
             return None
         return tokens.valid

@@ -25,32 +25,25 @@ Both paths give identical statistics with ``moe_calibrate_all_experts`` on or of
 
 Padding never counts: positions whose attention mask is 0 enter no statistic and no
 token count. A forward pre-hook on every MoE block looks up the current batch's
-``[B, T]`` mask (rows ``b*T + t`` of the flattened tokens the block routes) from:
-
-- the model's own call (a forward pre-hook on the top module: the basic pipeline,
-  or any ``model(input_ids, attention_mask=...)``), or
-- the sequential pipeline's batch cache (llm-compressor calls decoder-layer subgraphs
-  and never the model; ``compat`` hands us each cached batch through ``registries``) indexed by
-  ``state.current_batch_idx``, the index llm-compressor sets before every
-  calibration forward (as it does for AWQ's loss masks).
+``[B, T]`` mask (rows ``b*T + t`` of the flattened tokens the block routes) from the
+model's own call or the sequential pipeline's cached batch
+(:class:`~reap_modifier.calibration.tokens.BatchTokenTracker`).
 
 Without an attention mask every position counts.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 
-from .. import registries
 from ..models import MoEArchitecture, MoELayer
 from ..scores import ExpertScores
 from .accumulator import LayerAccumulator, norms64
-from .tokens import BatchTokens, batch_tokens
+from .tokens import BatchTokens, BatchTokenTracker
 
 __all__ = ["SaliencyObserver"]
 
@@ -94,22 +87,21 @@ class SaliencyObserver:
         }
         self._pending: dict[str, Any] = {}
         # padding: the current model call's tokens, or the pipeline's cached batches
-        self._call_tokens: BatchTokens | None = None
-        self._cached_batches: list[BatchTokens | None] = []
+        self._batches = BatchTokenTracker(on_input_ids=self._keep_sample)
         self._block_tokens: dict[str, tuple[BatchTokens | None, torch.Tensor | None]] = {}
         #: the first calibration sample's ids (``[1, <=16]``): the wholeness check's forward
         self.sample_ids: torch.Tensor | None = None
-        #: batches the sequential pipeline cached (kept after ``detach``): tells "no
-        #: data" apart from "a pipeline that never called the MoE blocks"
-        self.pipeline_batches = 0
+
+    @property
+    def pipeline_batches(self) -> int:
+        """Batches the sequential pipeline cached (kept after ``detach``): tells "no
+        data" apart from "a pipeline that never called the MoE blocks"."""
+        return self._batches.pipeline_batches
 
     # -- registration -------------------------------------------------------------
 
     def attach(self) -> None:
-        self._cached_batches = []
-        registries.add_calibration_batch_listener(self._on_cached_batches)
-        if self._model is not None:
-            self._attach_model(self._model)
+        self._batches.attach(self._model, self._register)
         for layer in self.arch.layers:
             self._register(
                 layer.block, partial(self._block_pre, layer.name), "forward_pre", with_kwargs=True
@@ -121,31 +113,7 @@ class SaliencyObserver:
 
     def detach(self) -> None:
         """Stop listening to the pipeline (hooks are removed by their owner)."""
-        registries.remove_calibration_batch_listener(self._on_cached_batches)
-        self._cached_batches = []
-        self._call_tokens = None
-
-    def _attach_model(self, model: torch.nn.Module) -> None:
-        try:
-            signature = inspect.signature(model.forward)
-        except (TypeError, ValueError):
-            signature = None
-
-        def pre(module, args, kwargs):
-            bound = dict(kwargs)
-            if args and signature is not None:
-                try:
-                    bound = dict(signature.bind_partial(*args, **kwargs).arguments)
-                except TypeError:
-                    pass
-            self._call_tokens = batch_tokens(bound.get("input_ids"), bound.get("attention_mask"))
-            self._keep_sample(bound.get("input_ids"))
-
-        def post(module, args, output):
-            self._call_tokens = None
-
-        self._register(model, pre, "forward_pre", with_kwargs=True)
-        self._register(model, post, "forward")
+        self._batches.detach()
 
     # -- padding ------------------------------------------------------------------------
 
@@ -153,33 +121,10 @@ class SaliencyObserver:
         if self.sample_ids is None and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
             self.sample_ids = input_ids[:1, :16].detach().to("cpu").clone()
 
-    def _on_cached_batches(self, batches: list[dict]) -> None:
-        if batches:
-            self._keep_sample(batches[0].get("input_ids"))
-        self.pipeline_batches = max(self.pipeline_batches, len(batches))
-        self._cached_batches = [
-            batch_tokens(b.get("input_ids"), b.get("attention_mask")) for b in batches
-        ]
-
-    def _current_tokens(self) -> BatchTokens | None:
-        if self._call_tokens is not None:
-            return self._call_tokens
-        if not self._cached_batches:
-            return None
-        from llmcompressor.core import active_session
-
-        index = active_session().state.current_batch_idx
-        if not 0 <= index < len(self._cached_batches):
-            raise RuntimeError(
-                f"REAP observer: calibration batch index {index} is outside the "
-                f"{len(self._cached_batches)} cached batches; cannot tell padding apart"
-            )
-        return self._cached_batches[index]
-
     def _block_pre(self, name: str, module, args: tuple, kwargs: dict):
         hidden = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values()), None))
         lead = tuple(hidden.shape[:-1]) if isinstance(hidden, torch.Tensor) else ()
-        tokens = self._current_tokens()
+        tokens = self._batches.current(strict=True)
         valid = None
         if tokens is not None:
             routed = int(torch.Size(lead).numel()) if lead else tokens.positions
