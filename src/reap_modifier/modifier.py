@@ -404,7 +404,9 @@ class REAPPruningModifier(Modifier):
         self._fit_routers(state.model)
 
     def on_finalize(self, state: State, **kwargs) -> bool:
-        self._restore_calibrate_all_flag()
+        # never restore the calibrate-all flag here: finalize runs after oneshot's own
+        # context has put the flag back, and writing it now would leave it set for the process
+        self._restore_calibrate_all = None
         self.remove_hooks()
         if self._observer is not None:
             self._observer.detach()
