@@ -23,31 +23,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from window_metrics import per_window_metrics
 
 SPARSITIES = (0.5, 0.75)
 
 
-def per_window_metrics(models: dict, windows: torch.Tensor, reference: str, chunk: int) -> dict:
-    """``name -> {"nll": [...], "kl": [...]}`` per window (per-token means), every model
-    against ``models[reference]``. The one call site of the job's evaluation code."""
-    from reap_modifier.demo.evaluate import token_metrics
-
-    out = {name: {"nll": [], "kl": []} for name in models}
-    with torch.no_grad():
-        for i in range(0, windows.shape[0], chunk):
-            x = windows[i : i + chunk]
-            ref = models[reference](input_ids=x).logits.float()
-            for name, model in models.items():
-                logits = ref if name == reference else model(input_ids=x).logits.float()
-                m = token_metrics(logits, x, ref)
-                out[name]["nll"] += (m["nll"] / m["n"]).tolist()
-                out[name]["kl"] += (m["kl"] / m["n"]).tolist()
-    return out
-
-
 def paired(a: list[float], b: list[float]) -> tuple[float, float]:
     """Mean of ``b - a`` and its standard error."""
-    from reap_modifier.demo.evaluate import paired_difference
+    from reap_modifier.evaluation import paired_difference
 
     d = paired_difference(a, b)
     return d["mean"], d["se"]

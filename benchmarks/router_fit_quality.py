@@ -7,7 +7,7 @@ alone and once with ``calibrate_router`` fitted on the same calibration split. A
 models are judged on the held-out ``eval`` split only, against the unpruned model:
 mean next-token NLL and ``KL(unpruned || model)`` per language, and the paired
 difference (fit - alone) over the same windows with its standard error, through the
-main job's evaluation helpers (:mod:`reap_modifier.demo.evaluate`).
+main job's evaluation helpers (:mod:`reap_modifier.evaluation`).
 
     PYTHONPATH=src python benchmarks/router_fit_quality.py --out out/router_fit_quality.json
 
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from window_metrics import per_window_metrics
 
 LANGS = ("en", "zh", "code")
 
@@ -37,32 +38,14 @@ def _oneshot(model, modifier, tokenizer, dataset=None):
     return modifier
 
 
-def per_window(models: dict, windows: torch.Tensor, reference: str, chunk: int) -> dict:
-    """Per-window NLL and KL (nats per predicted token) of every model, from the main
-    job's :func:`token_metrics` (the one call site into its evaluation)."""
-    from reap_modifier.demo.evaluate import token_metrics
-
-    out = {name: {"nll": [], "kl": []} for name in models}
-    with torch.no_grad():
-        for i in range(0, windows.shape[0], chunk):
-            x = windows[i : i + chunk]
-            ref = models[reference](input_ids=x).logits.float()
-            for name, model in models.items():
-                logits = ref if name == reference else model(input_ids=x).logits.float()
-                m = token_metrics(logits, x, ref)
-                out[name]["nll"] += (m["nll"] / m["n"]).tolist()
-                out[name]["kl"] += (m["kl"] / m["n"]).tolist()
-    return out
-
-
 def main() -> None:
     from transformers import AutoTokenizer
 
     from reap_modifier import REAPPruningModifier
     from reap_modifier.demo import data as D
     from reap_modifier.demo.config import DEFAULT_MODEL
-    from reap_modifier.demo.evaluate import paired_difference
     from reap_modifier.demo.workspace import load_model
+    from reap_modifier.evaluation import paired_difference
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -132,7 +115,7 @@ def main() -> None:
             key = f"{mix}@{int(sparsity * 100)}"
             results[key] = {"fit": fitted.router_fit, "seconds_fit": t2 - t1, "langs": {}}
             for lang in LANGS:
-                pw = per_window(models, windows[lang], "unpruned", args.chunk)
+                pw = per_window_metrics(models, windows[lang], "unpruned", args.chunk)
                 rec = {}
                 for metric in ("nll", "kl"):
                     a, b = pw["alone"][metric], pw["fit"][metric]
