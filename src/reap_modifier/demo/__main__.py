@@ -41,9 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--sparsity", type=float, default=DemoConfig.sparsity)
     ap.add_argument(
-        "--extra-sparsity",
-        default=str(DemoConfig.extra_sparsity),
-        help="also prune REAP(en), REAP(en+zh+code) and random to this sparsity ('none': skip)",
+        "--extra-sparsities",
+        type=float,
+        nargs="*",
+        default=list(DemoConfig.extra_sparsities),
+        help="also prune to these sparsities (at 0.25 REAP(en), REAP(en+zh), REAP(en+zh+code) and "
+        "random; at any other every method); none given: only --sparsity",
     )
     ap.add_argument(
         "--tokens-per-part",
@@ -77,13 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not a.verbose:
         quiet_libraries()
-    extra = None if str(a.extra_sparsity).lower() in ("none", "") else float(a.extra_sparsity)
     cfg = DemoConfig(
         model=a.model,
         out=a.out,
         data_dir=a.data_dir,
         sparsity=a.sparsity,
-        extra_sparsity=extra,
+        extra_sparsities=tuple(a.extra_sparsities),
         tokens_per_part=a.tokens_per_part,
         eval_windows=a.eval_windows,
         gen_tokens=a.gen_tokens,

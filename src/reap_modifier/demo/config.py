@@ -32,6 +32,7 @@ class Method:
     ranking: str | None = None  # calibrated: which merged scores file (A..D)
     calibration: str = "none"
     sparsity: float | None = None  # None: the job's sparsity (50%)
+    router_fit: bool = False  # REAP's cut, then ``calibrate_router`` on the calibration corpus
 
 
 METHODS: tuple[Method, ...] = (
@@ -42,10 +43,28 @@ METHODS: tuple[Method, ...] = (
     Method("router_l1", "router_l1", "weights", "router_l1"),
     Method("router_signed_sum", "router_signed_sum", "weights", "router_signed_sum"),
     Method("random", "random", "weights", "random"),
+    Method(
+        "reap_en_fit", "REAP(en) + router fit", "calibrated", "reap", "B", "en", router_fit=True
+    ),
+    Method(
+        "reap_en_zh_code_fit",
+        "REAP(en+zh+code) + router fit",
+        "calibrated",
+        "reap",
+        "D",
+        "en+zh+code",
+        router_fit=True,
+    ),
 )
-#: also pruned at the extra (harsher) sparsity: the calibration-language question where the seed's
-#: 75% build collapsed in Chinese, against random at the same sparsity
-EXTRA_METHODS: tuple[str, ...] = ("reap_en", "reap_en_zh_code", "random")
+#: the methods pruned at each extra sparsity (named ``<name>_<percent>``): at 75% (where the seed's
+#: build collapsed in Chinese) every method; at 25% the calibration-language question against random
+EXTRA_METHODS: dict[float, tuple[str, ...]] = {
+    0.25: ("reap_en", "reap_en_zh", "reap_en_zh_code", "random"),
+    0.75: tuple(m.name for m in METHODS),
+}
+#: calibration parts the router fit of each calibration mix draws on (``router_fit_tokens`` in all,
+#: the same share of each part, so both mixes fit on the same number of tokens)
+FIT_PARTS: dict[str, tuple[str, ...]] = {"en": ("en1", "en2"), "en+zh+code": ("en1", "zh", "code")}
 YARDSTICK = "D"  # retained REAP mass of every plan is measured in this ranking's saliency
 ABLATION = "no_routed"  # evaluation-only reference: every routed expert outputs zero
 #: sparsities of the flip table (the seed: "the same pattern holds at 25% and 75% pruning")
@@ -58,7 +77,7 @@ class DemoConfig:
     out: str = str(DEFAULT_OUT)
     data_dir: str | None = None  # None: the repository's data/ (built if missing)
     sparsity: float = 0.5
-    extra_sparsity: float | None = 0.75  # EXTRA_METHODS again at this sparsity (None: skip)
+    extra_sparsities: tuple[float, ...] = (0.25, 0.75)  # EXTRA_METHODS at each of these too
     tokens_per_part: int = 32768  # calibration tokens of each part (en1, en2, zh, code)
     calib_seq_len: int = 256
     eval_windows: int = 64  # per language
@@ -66,6 +85,9 @@ class DemoConfig:
     eval_seed: int = 1234  # = the model card's window seed
     eval_chunk: int = 8
     prompts_per_lang: int = 8
+    router_fit_tokens: int = 12288  # per fit, split evenly over the mix's calibration parts
+    router_fit_steps: int = 100
+    router_fit_lr: float = 0.03
     prompt_tokens: int = 16
     gen_tokens: int = 48
     seed: int = 0
@@ -87,24 +109,29 @@ QUICK = dict(
     prompts_per_lang=2,
     prompt_tokens=6,
     gen_tokens=6,
+    router_fit_tokens=192,
+    router_fit_steps=3,
 )
 
 
 def job_methods(cfg: DemoConfig) -> list[Method]:
-    """METHODS at the job's sparsity, then EXTRA_METHODS at ``extra_sparsity`` (named
-    ``<name>_<percent>``, e.g. ``reap_en_75``)."""
+    """METHODS at the job's sparsity, then EXTRA_METHODS at each of ``extra_sparsities``
+    (named ``<name>_<percent>``, e.g. ``reap_en_75``)."""
     out = [Method(**{**asdict(m), "sparsity": cfg.sparsity}) for m in METHODS]
-    if cfg.extra_sparsity is not None and cfg.extra_sparsity != cfg.sparsity:
-        pct = round(100 * cfg.extra_sparsity)
+    for sp in cfg.extra_sparsities:
+        if sp == cfg.sparsity:
+            continue
+        pct = round(100 * sp)
+        names = EXTRA_METHODS.get(sp, EXTRA_METHODS[0.75])  # another sparsity: every method
         for m in METHODS:
-            if m.name in EXTRA_METHODS:
+            if m.name in names:
                 out.append(
                     Method(
                         **{
                             **asdict(m),
                             "name": f"{m.name}_{pct}",
                             "label": f"{m.label} {pct}%",
-                            "sparsity": cfg.extra_sparsity,
+                            "sparsity": sp,
                         }
                     )
                 )

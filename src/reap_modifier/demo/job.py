@@ -15,6 +15,7 @@ from typing import Any
 from ..analysis.formatting import jsonable
 from .config import (
     ABLATION,
+    FIT_PARTS,
     FLIP_SPARSITIES,
     LANGS,
     PARTS,
@@ -226,7 +227,7 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | N
     src_dir, left_out = checkpoint_source(model_dir, out, log)
     (out / "pruned").mkdir(parents=True, exist_ok=True)
     with clock.stage("prune + verify", log):
-        pruning = prune_and_verify(cfg, src_dir, left_out, out, calib)
+        pruning = prune_and_verify(cfg, src_dir, left_out, out, calib, inputs)
     with clock.stage("evaluate", log):
         models = load_models(cfg, model_dir, out / "pruned", pruning)
         quality = evaluate_quality(cfg, models, inputs.windows)
@@ -316,7 +317,7 @@ def calibrate_parts(
 
 
 def prune_and_verify(
-    cfg: DemoConfig, src_dir: Path, left_out, out: Path, calib: Calibration
+    cfg: DemoConfig, src_dir: Path, left_out, out: Path, calib: Calibration, inputs: Inputs
 ) -> Pruning:
     """Stage 2: per method, a plan, the bit-exact rewrite and ``verify --source``; then each
     plan's overlap with REAP(en+zh+code) at the same sparsity."""
@@ -332,7 +333,9 @@ def prune_and_verify(
         unit="ckpt",
         dynamic_ncols=True,
     ):
-        plans[m.name], records[m.name] = prune_one(cfg, m, src_dir, out, calib, yard, retained_mass)
+        plans[m.name], records[m.name] = prune_one(
+            cfg, m, src_dir, out, calib, yard, retained_mass, inputs
+        )
     for name, plan in plans.items():  # overlap with REAP(en+zh+code) at the same sparsity
         ref = next(
             plans[n]
@@ -340,6 +343,7 @@ def prune_and_verify(
             if r["sparsity"] == records[name]["sparsity"]
             and r["saliency"] == "reap"
             and r["calibration"] == "en+zh+code"
+            and not r.get("router_fit")
         )
         shared = [len(set(plan.kept[l]) & set(ref.kept[l])) for l in plan.kept]
         records[name]["overlap_with_reap_en_zh_code"] = sum(shared) / (len(shared) * plan.num_kept)
@@ -347,10 +351,18 @@ def prune_and_verify(
 
 
 def prune_one(
-    cfg: DemoConfig, m, src_dir: Path, out: Path, calib: Calibration, yard, retained_mass
+    cfg: DemoConfig,
+    m,
+    src_dir: Path,
+    out: Path,
+    calib: Calibration,
+    yard,
+    retained_mass,
+    inputs: Inputs | None = None,
 ):
     """One method: its scores (calibrated, or from the router weights), plan, checkpoint and
-    verification; returns ``(plan, record)``."""
+    verification; returns ``(plan, record)``. A router-fit method cuts the same plan and saves
+    through ``oneshot`` + ``calibrate_router`` (:func:`fit_router_checkpoint`)."""
     import numpy as np
 
     from ..checkpoint import prepare_rewrite
@@ -377,16 +389,20 @@ def prune_one(
     )
     plan.save(plans_dir / f"{m.name}.json")
     dst = pruned_dir / m.name
-    prepare_rewrite(
-        src_dir,
-        plan,
-        dst,
-        scores_path=spath,
-        force=True,
-        method=f"{m.label} via reap_modifier.demo (checkpoint rewrite)",
-        progress=False,
-        hash_cache=False,
-    ).run()
+    fit = None
+    if m.router_fit:
+        fit = fit_router_checkpoint(cfg, m, src_dir, dst, spath, plan, inputs)
+    else:
+        prepare_rewrite(
+            src_dir,
+            plan,
+            dst,
+            scores_path=spath,
+            force=True,
+            method=f"{m.label} via reap_modifier.demo (checkpoint rewrite)",
+            progress=False,
+            hash_cache=False,
+        ).run()
     rewrite_s = time.time() - t
     rep = verify_checkpoint(dst, source=src_dir)
     if not rep.ok:
@@ -397,6 +413,7 @@ def prune_one(
         "saliency": m.saliency,
         "calibration": m.calibration,
         "sparsity": m.sparsity,
+        "router_fit": fit,
         "scores": relative_to(spath, out),
         "plan": relative_to(plans_dir / f"{m.name}.json", out),
         "checkpoint": relative_to(dst, out),
@@ -419,6 +436,7 @@ def prune_one(
                     "tensors_matching_source",
                     "checked_against_source",
                     "quantization_format",
+                    "differs_from_source",
                 )
             },
         },
@@ -426,6 +444,78 @@ def prune_one(
         "seconds": round(rewrite_s, 2),
     }
     return plan, record
+
+
+def fit_sets(cfg: DemoConfig, inputs: Inputs) -> dict[str, Any]:
+    """Per calibration mix of :data:`FIT_PARTS`: the router fit's dataset, ``router_fit_tokens``
+    tokens drawn evenly from the mix's calibration parts (whole windows from the start of each)."""
+    from datasets import concatenate_datasets
+
+    out = {}
+    for mix, parts in FIT_PARTS.items():
+        share = cfg.router_fit_tokens // len(parts)
+        pieces = []
+        for part in parts:
+            ds, n, rows = inputs.sets[part], 0, 0
+            for ids in ds["input_ids"]:
+                if n >= share:
+                    break
+                n, rows = n + len(ids), rows + 1
+            pieces.append(ds.select(range(rows)))
+        out[mix] = concatenate_datasets(pieces)
+    return out
+
+
+def fit_router_checkpoint(
+    cfg: DemoConfig, m, src_dir: Path, dst: Path, scores_path: Path, plan, inputs: Inputs
+) -> dict:
+    """REAP's cut from ``scores_path`` (the plan the job cut, checked equal), then every kept
+    router fitted on the mix's calibration tokens (``calibrate_router``), saved by ``oneshot``:
+    expert bytes copied from the source, fitted router rows written from memory."""
+    from llmcompressor import oneshot
+
+    from ..modifier import REAPPruningModifier
+
+    dataset = fit_sets(cfg, inputs)[m.calibration]
+    tokens = int(sum(len(r) for r in dataset["input_ids"]))
+    model = load_model(src_dir, packed=True, dtype=cfg.dtype)
+    modifier = REAPPruningModifier(
+        sparsity=m.sparsity,
+        scores_in=str(scores_path),
+        seed=cfg.seed,
+        calibrate_router=True,
+        router_fit_tokens=tokens,
+        router_fit_steps=cfg.router_fit_steps,
+        router_fit_lr=cfg.router_fit_lr,
+    )
+    if dst.exists():
+        import shutil
+
+        shutil.rmtree(dst)
+    oneshot(
+        model=model,
+        recipe=[modifier],
+        processor=inputs.tokenizer,
+        dataset=dataset,
+        num_calibration_samples=len(dataset),
+        output_dir=str(dst),
+        moe_calibrate_all_experts=False,
+    )
+    del model
+    if modifier.plan.kept != plan.kept:
+        raise RuntimeError(f"{m.name}: the router-fit run cut a different plan than {m.ranking}'s")
+    fit = modifier.router_fit
+    return {
+        "tokens": tokens,
+        "parts": list(FIT_PARTS[m.calibration]),
+        "method": fit.get("method"),
+        "steps": cfg.router_fit_steps,
+        "lr": cfg.router_fit_lr,
+        "layers": {
+            layer: {k: v for k, v in rec.items() if isinstance(v, int | float)}
+            for layer, rec in fit.get("layers", {}).items()
+        },
+    }
 
 
 def load_models(cfg: DemoConfig, model_dir: Path, pruned_dir: Path, pruning: Pruning) -> dict:
@@ -658,29 +748,41 @@ def _flip_summary(cmp: dict) -> dict:
 
 
 def _paired(quality: dict, paired_difference) -> list[dict]:
-    """NLL differences that answer the questions, paired per window."""
-    pairs = [
-        ("reap_en", "reap_en_zh_code"),
-        ("reap_en", "reap_en_zh"),
-        ("reap_en_zh", "reap_en_zh_code"),
-        ("frequency", "reap_en_zh_code"),
-        ("router_l1", "reap_en_zh_code"),
-        ("router_signed_sum", "reap_en_zh_code"),
-        ("random", "reap_en_zh_code"),
-    ]
-    pct = sorted({n.rsplit("_", 1)[1] for n in quality if n.rsplit("_", 1)[-1].isdigit()})
-    for p in pct:
-        pairs += [(f"reap_en_{p}", f"reap_en_zh_code_{p}"), (f"random_{p}", f"reap_en_zh_code_{p}")]
+    """Differences that answer the questions, paired per window, at every sparsity the job ran:
+    REAP(en+zh+code) against each other method (NLL), and each REAP cut against the same cut with
+    its router fitted (NLL and KL to the unpruned model)."""
+    others = (
+        "reap_en",
+        "reap_en_zh",
+        "frequency",
+        "router_l1",
+        "router_signed_sum",
+        "random",
+    )
+    suffixes = [""] + sorted(
+        {"_" + n.rsplit("_", 1)[1] for n in quality if n.rsplit("_", 1)[-1].isdigit()}
+    )
+    pairs = [("reap_en", "reap_en_zh", ("nll",)), ("reap_en_zh", "reap_en_zh_code", ("nll",))]
     out = []
-    for a, b in pairs:
-        if a not in quality or b not in quality:
-            continue
-        row = {"a": a, "b": b}
-        for lang in LANGS:
-            row[lang] = paired_difference(
-                quality[a][lang]["nll_per_window"], quality[b][lang]["nll_per_window"]
-            )
-        out.append(row)
+    for sfx in suffixes:
+        rows = [(f"{o}{sfx}", f"reap_en_zh_code{sfx}", ("nll",)) for o in others]
+        rows += [
+            (f"{r}{sfx}", f"{r}_fit{sfx}", ("nll", "kl")) for r in ("reap_en", "reap_en_zh_code")
+        ]
+        rows = [(f"{a}{sfx}", f"{b}{sfx}", m) for a, b, m in pairs] + rows
+        for a, b, metrics in rows:
+            if a not in quality or b not in quality:
+                continue
+            row = {"a": a, "b": b}
+            for lang in LANGS:
+                row[lang] = paired_difference(
+                    quality[a][lang]["nll_per_window"], quality[b][lang]["nll_per_window"]
+                )
+                if "kl" in metrics:
+                    row.setdefault("kl", {})[lang] = paired_difference(
+                        quality[a][lang]["kl_per_window"], quality[b][lang]["kl_per_window"]
+                    )
+            out.append(row)
     return out
 
 

@@ -129,6 +129,7 @@ def render_report(results: dict) -> str:
         _title,
         _calibration,
         _quality,
+        _router_fit,
         _degeneration,
         _flips,
         _checkpoints,
@@ -143,6 +144,7 @@ def _title(results: dict) -> list[str]:
     E, k = mdl["num_experts"], next(iter(pr.values()))["num_experts_after"]
     L = len(mdl["moe_layers"])
     extra = sorted({r["sparsity"] for r in pr.values()} - {cfg["sparsity"]})
+    fits = [r for r in pr.values() if r.get("router_fit")]
     fmts = next(iter(pr.values()))["verify"].get("quantization_format") or []
     lines = [
         "# REAP expert pruning: does the calibration language matter, and what does it cost?",
@@ -150,8 +152,14 @@ def _title(results: dict) -> list[str]:
         f"Model `{mdl['path']}` ({mdl['model_class']}, {L} MoE layers x {E} routed experts, top-{mdl['top_k']}"
         f"{', checkpoint format ' + ', '.join(fmts) if fmts else ''}); every MoE layer pruned to {k} of {E} experts (sparsity {cfg['sparsity']:g})"
         + (
-            f", and REAP(en), REAP(en+zh+code) and random also at sparsity {', '.join(f'{x:g}' for x in extra)}"
+            f", and also at sparsity {', '.join(f'{x:g}' for x in extra)} (the methods listed below)"
             if extra
+            else ""
+        )
+        + (
+            f"; {len(fits)} of the cuts also with their routers fitted after the cut"
+            " (`calibrate_router`)"
+            if fits
             else ""
         )
         + f".{' **Quick mode: tiny sizes, the numbers mean nothing.**' if cfg['quick'] else ''}",
@@ -270,6 +278,8 @@ def _quality(results: dict) -> list[str]:
         "|---|---|---:|---:|---:|",
     ]
     for p in results["paired"]:
+        if p["b"].endswith("_fit") or "_fit_" in p["b"]:
+            continue  # the router-fit section shows these
         lines.append(
             f"| {_label(results, p['a'])} | {_label(results, p['b'])} | "
             + " | ".join(f"{p[l]['mean']:+.4f} +- {_f(p[l]['se'], 4)}" for l in LANGS)
@@ -291,6 +301,58 @@ def _quality(results: dict) -> list[str]:
         ]
         if card.get("corpora"):
             lines += ["", "Corpora vs the model card: " + describe_corpora(card["corpora"])]
+    return lines
+
+
+def _router_fit(results: dict) -> list[str]:
+    """REAP's cut alone against the same cut with its routers fitted (``calibrate_router``):
+    KL to the unpruned model and NLL per language, paired per window."""
+    pr, q = results["pruning"], results["eval"]["quality"]
+    rows = [p for p in results["paired"] if p["b"] in pr and pr[p["b"]].get("router_fit")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Router calibration after the cut",
+        "",
+        "The same REAP cut, alone and with every kept router fitted afterwards so the pruned block's"
+        " output matches the unpruned block's on calibration tokens (`calibrate_router`; experts"
+        " untouched, their bytes copied from the source). Fitted on the calibration split only,"
+        " judged on the held-out windows above. KL(unpruned || model) in nats per token; the paired"
+        " differences are fit minus alone (negative: the fit is closer to the unpruned model / has"
+        " lower NLL), mean +- standard error over windows.",
+        "",
+        "| cut | fit tokens | language | KL alone | KL fit | KL change | dKL +- SE | dNLL +- SE |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for p in rows:
+        a, b, fit = p["a"], p["b"], pr[p["b"]]["router_fit"]
+        for lang in LANGS:
+            ka, kb = q[a][lang]["kl"], q[b][lang]["kl"]
+            lines.append(
+                f"| {_label(results, a)} | {fit['tokens']:,} | {lang} | {_f(ka, 4)} | {_f(kb, 4)} |"
+                f" {100 * (kb / ka - 1) if ka else float('nan'):+.1f}% |"
+                f" {p['kl'][lang]['mean']:+.4f} +- {_f(p['kl'][lang]['se'], 4)} |"
+                f" {p[lang]['mean']:+.4f} +- {_f(p[lang]['se'], 4)} |"
+            )
+    lines += [
+        "",
+        "Layer-local relative error of each fitted router (held-out calibration tokens of the fit,"
+        " before -> after):",
+        "",
+        "| model | "
+        + " | ".join(f"layer {i}" for i in range(len(results["model"]["moe_layers"])))
+        + " |",
+        "|---|" + "---:|" * len(results["model"]["moe_layers"]),
+    ]
+    for r in pr.values():
+        fit = r.get("router_fit")
+        if not fit:
+            continue
+        cells = [
+            f"{v['holdout_before']:.3f} -> {v['holdout_after']:.3f}" for v in fit["layers"].values()
+        ]
+        lines.append(f"| {r['label']} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -430,7 +492,9 @@ def _checkpoints(results: dict) -> list[str]:
         "## Checkpoints",
         "",
         "Every pruned checkpoint was written by `rewrite_checkpoint` (kept experts' packed MXFP4 bytes copied"
-        " verbatim from the source) and passed `verify_checkpoint(dst, source=src)`:",
+        " verbatim from the source; the router-fit ones by `oneshot` through the same rewriter, with the"
+        " fitted router tensors written from memory) and passed `verify_checkpoint(dst, source=src)`"
+        " (which names every tensor that differs from its source and why):",
         "",
     ]
     if mdl.get("left_out_of_checkpoint_source"):

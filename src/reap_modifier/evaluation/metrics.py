@@ -85,7 +85,8 @@ class WindowMetrics:
     def summary(self) -> dict:
         """``nll`` (mean nats per predicted token), ``nll_se`` (standard error of the mean of the
         per-window NLL), ``ppl``, ``tokens``, ``windows``, ``nll_per_window`` and, with a
-        reference, ``top1_agreement`` and ``kl`` (plus ``kl_tail_mass`` when estimated)."""
+        reference, ``top1_agreement``, ``kl`` and ``kl_per_window`` (plus ``kl_tail_mass`` when
+        estimated)."""
         tokens = sum(self.n)
         nll = sum(self.nll) / tokens if tokens else float("nan")
         per_window = [a / b for a, b in zip(self.nll, self.n)]
@@ -100,6 +101,7 @@ class WindowMetrics:
         if self.agree:
             out["top1_agreement"] = sum(self.agree) / tokens
             out["kl"] = sum(self.kl) / tokens
+            out["kl_per_window"] = [a / b for a, b in zip(self.kl, self.n)]
         if self.tail:
             out["kl_tail_mass"] = sum(self.tail) / tokens
         return out
