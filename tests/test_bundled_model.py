@@ -93,7 +93,10 @@ def test_routed_experts_are_mxfp4_packed_and_nothing_else_is():
         tc["first_k_dense_replace"],
         tc["num_hidden_layers"],
     )
-    assert n_exp % 8 == 0 and tc["num_experts_per_token"] == 4 and tc["num_shared_experts"] == 1
+    preset = card()["preset"]
+    assert n_exp % 8 == 0 and n_exp == preset["num_experts"]
+    assert tc["num_experts_per_token"] == preset["top_k"]
+    assert tc["num_shared_experts"] == preset["num_shared_experts"] == 1  # as Kimi K3
     assert tc["routed_expert_hidden_size"] % 32 == 0 and tc["moe_intermediate_size"] % 32 == 0
     with safe_open(str(MODEL / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
@@ -121,7 +124,8 @@ def test_routed_experts_are_mxfp4_packed_and_nothing_else_is():
             ):
                 assert f"{pre}.{dense}" in keys, dense
     assert not any(k.endswith("weight_packed") and ".experts." not in k for k in keys)
-    assert not any("block_sparse_moe" in k for k in keys if ".layers.0." in k)  # first layer dense
+    for layer in range(first_moe):  # the leading dense-MLP layers, if any
+        assert not any("block_sparse_moe" in k for k in keys if f".layers.{layer}." in k)
 
 
 def test_tokenizer_handles_both_languages(tokenizer):

@@ -196,3 +196,28 @@ def test_dispatch_swap_restores_instance_wrappers(family):
     calls.clear()
     torch.testing.assert_close(block_output(layer, x), swapped, rtol=1e-5, atol=1e-6)
     assert calls
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_k3"])
+def test_fit_on_a_bf16_model(family):
+    """A bf16 model (as loaded from a bf16 checkpoint): the router computes in bf16 during
+    the fit, Adam updates float32 masters, and the fitted rows come back in bf16."""
+    model, info = build_tiny(family, seed=3, **KINDS[family])
+    model = model.to(torch.bfloat16)
+    arch = find_moe_architecture(model)
+    ids = sample_input_ids(info.vocab_size, batch=4, seq=64, seed=1)
+    io = _captured(model, arch, ids)
+    _cut_half(arch)
+    for layer in arch.layers:
+        x, y = io[layer.name]
+        assert x.dtype == torch.bfloat16
+        fitted, result = fit_router(layer, x, y, steps=40, lr=0.03)
+        assert result.best_step > 0 and result.holdout_after < result.holdout_before
+        assert all(t.dtype == torch.bfloat16 for t in fitted.values())
+        with torch.no_grad():
+            for name, tensor in fitted.items():
+                getattr(layer.router, name).copy_(tensor)
+        held = ~_fit_rows(x)
+        assert relative_error(block_output(layer, x[held]), y[held]).item() == pytest.approx(
+            result.holdout_after, rel=1e-3
+        )

@@ -207,7 +207,11 @@ def test_script_runs_a_few_steps_on_a_tiny_config(tmp_path):
     for lang in D.LANGS:
         assert 0 < card["eval"]["loss"][lang] < 10
         assert 0 < card["eval"]["slice_loss"][lang] < 10
-    assert set(card["specialisation"]["zh_over_en"]) == {layer}
+    # the smoke preset, like the default, has no dense-MLP layer: every layer is MoE
+    assert set(card["specialisation"]["zh_over_en"]) == {
+        f"language_model.model.layers.{i}.block_sparse_moe" for i in range(2)
+    }
+    assert card["architecture"]["moe_layers"] == sorted(card["specialisation"]["zh_over_en"])
     assert set(card["eval"]["loss_routed_experts_off"]) == set(D.LANGS)
     assert set(card["eval"]["loss_random_half_experts_dropped"]) == set(D.LANGS)
     assert card["eval"]["loss_bf16_before_mxfp4"] is not None

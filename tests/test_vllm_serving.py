@@ -214,19 +214,33 @@ def test_reap_verify_vllm_cli_on_mixtral(vllm_python, tmp_path):
 
 
 def test_modifier_output_serves_with_transformers_tokens(vllm_python, tokenizer, tmp_path):
-    """Qwen3-MoE pruned by REAP calibration through ``oneshot(output_dir=...)``."""
+    """Qwen3-MoE pruned by REAP calibration with its routers fitted after the cut
+    (``calibrate_router``), through ``oneshot(output_dir=...)``: the reloaded checkpoint's logits
+    equal the in-memory fitted model's, and vLLM serves it with transformers' tokens."""
     from conftest import calibration_samples, make_dataset
     from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM
 
     from reap_modifier import REAPPruningModifier
 
     src, _, _ = _build_bf16("qwen3_moe", tmp_path / "src")
-    modifier = REAPPruningModifier(num_experts_to_keep=4)
+    model = AutoModelForCausalLM.from_pretrained(src)
+    modifier = REAPPruningModifier(
+        num_experts_to_keep=4, calibrate_router=True, router_fit_tokens=512, router_fit_steps=20
+    )
     dst = tmp_path / "pruned"
-    oneshot(model=str(src), recipe=[modifier], processor=tokenizer,
+    oneshot(model=model, recipe=[modifier], processor=tokenizer,
             dataset=make_dataset(calibration_samples(128, n=6, seed=3)),
             num_calibration_samples=6, output_dir=str(dst))  # fmt: skip
     assert json.loads((dst / "config.json").read_text())["num_local_experts"] == 4
+    fitted = [layer for layer, r in modifier.router_fit["layers"].items() if r["best_step"] > 0]
+    assert fitted, "no router moved"
+    ids = torch.tensor([[5, 17, 99, 3, 42, 8, 77, 1]])
+    reloaded = AutoModelForCausalLM.from_pretrained(dst).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            reloaded(input_ids=ids).logits, model.eval()(input_ids=ids).logits, rtol=0, atol=0
+        )
     report = check_with_vllm(
         dst, vllm_python=vllm_python, dtype="float32", work_dir=tmp_path / "vllm"
     )
@@ -237,9 +251,12 @@ def test_modifier_output_serves_with_transformers_tokens(vllm_python, tokenizer,
 @pytest.fixture(scope="module")
 def k3_pruned(tmp_path_factory):
     root = tmp_path_factory.mktemp("k3")
-    blocks = [f"language_model.model.layers.{i}.block_sparse_moe" for i in (1, 2, 3)]
-    kept = [sorted(random.Random(i).sample(range(64), 32)) for i in (1, 2, 3)]
-    return _prune(BUNDLED, blocks, kept, 64, root / "k3-32"), kept
+    tc = json.loads((BUNDLED / "config.json").read_text())["text_config"]
+    layers = range(tc["first_k_dense_replace"], tc["num_hidden_layers"])
+    E = tc["num_experts"]
+    blocks = [f"language_model.model.layers.{i}.block_sparse_moe" for i in layers]
+    kept = [sorted(random.Random(i).sample(range(E), E // 2)) for i in layers]
+    return _prune(BUNDLED, blocks, kept, E, root / "k3-half"), kept
 
 
 def test_pruned_k3_mxfp4_passes_vllm_weight_loading(k3_pruned, vllm_python, tmp_path):

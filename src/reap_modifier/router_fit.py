@@ -46,7 +46,7 @@ kept as the cut left it (its kept rows) and the fit reports it as not fitted.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -218,17 +218,29 @@ def relative_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def _trainable(layer: MoELayer, names: list[str]) -> Iterator[dict[str, nn.Parameter]]:
+def _trainable(
+    layer: MoELayer, names: list[str]
+) -> Iterator[tuple[dict[str, nn.Parameter], Callable[[], None]]]:
     """For the duration of the fit, the block routes through a shallow copy of its router
-    whose ``names`` are float32 leaf parameters (the others: the router's current
+    whose ``names`` are float32 master parameters (the others: the router's current
     tensors). The router itself is never touched, so offloaded parameters
-    (compressed-tensors' offload caches replace ``_parameters``) stay as they are."""
+    (compressed-tensors' offload caches replace ``_parameters``) stay as they are.
+
+    Yields the masters and ``sync``, which hands the copy the masters cast to the router's
+    own dtype (differentiably: a bf16 model's router computes in bf16 as it will after
+    the save, while Adam updates float32 masters); call it before every forward."""
     router = layer.router
     masters = {n: nn.Parameter(getattr(router, n).detach().float().clone()) for n in names}
+    dtypes = {n: getattr(router, n).dtype for n in names}
     proxy = copy.copy(router)
     proxy._parameters = {
         n: masters.get(n, getattr(router, n)) for n in list(router._parameters.keys())
     }
+
+    def sync() -> None:
+        for n, master in masters.items():
+            proxy._parameters[n] = master if dtypes[n] == master.dtype else master.to(dtypes[n])
+
     proxy._buffers = {n: getattr(router, n) for n in list(router._buffers.keys())}
     # methods bound to the router on the instance (compressed-tensors' offload wraps
     # `forward` so) are bound to the copy instead
@@ -237,7 +249,7 @@ def _trainable(layer: MoELayer, names: list[str]) -> Iterator[dict[str, nn.Param
             setattr(proxy, key, value.__func__.__get__(proxy))
     layer.block._modules[layer.router_attr] = proxy
     try:
-        yield masters
+        yield masters, sync
     finally:
         layer.block._modules[layer.router_attr] = router
 
@@ -281,10 +293,11 @@ def fit_router(
     fit_cache, held_cache = _ExpertCache(), _ExpertCache()
 
     def loss_on(x, y, cache) -> torch.Tensor:
+        sync()
         with differentiable_dispatch(layer, cache):
             return relative_error(_output(layer.block(x.unsqueeze(0))).reshape(y.shape), y)
 
-    with _trainable(layer, names) as masters:
+    with _trainable(layer, names) as (masters, sync):
         scale = masters["weight"].detach().pow(2).mean().sqrt().clamp_min(1e-8).item()
         optimizer = torch.optim.Adam(list(masters.values()), lr=lr * scale)
         best = {n: p.detach().clone() for n, p in masters.items()}
