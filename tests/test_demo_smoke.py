@@ -625,3 +625,31 @@ def test_reap_eval_reproduces_the_main_jobs_numbers(demo_run, tmp_path):
                 assert got["kl"] == pytest.approx(want["kl"], rel=1e-5, abs=1e-9)
             gens = res["generations"]["summary"][job_name][lang]
             assert got["repeat_run_max"] == gens["max_repeat_run_tokens"]
+
+
+def test_report_lists_every_row_where_reap_loses_to_a_baseline(demo_run):
+    """Each (sparsity, baseline, language) with REAP(en+zh+code)'s NLL above the baseline's is a
+    row of the report's loss table, and no other row is."""
+    from reap_modifier.demo.report import BASELINES
+
+    out, res = demo_run["out"], demo_run["results"]
+    q, pr = res["eval"]["quality"], res["pruning"]
+    report = (out / "report.md").read_text()
+    want = 0
+    for name, r in pr.items():
+        base = name.rsplit("_", 1)[0] if name.rsplit("_", 1)[-1].isdigit() else name
+        if base not in BASELINES:
+            continue
+        reap = "reap_en_zh_code" + name[len(base) :]
+        for lang in LANGS:
+            a, b = q[name][lang]["nll_per_window"], q[reap][lang]["nll_per_window"]
+            d = sum(y - x for x, y in zip(a, b)) / len(a)
+            if d > 0:
+                want += 1
+                assert f"| {r['sparsity']:.0%} | {base} | {lang} | +{d:.4f} +- " in report
+    got = sum(
+        1
+        for line in report.splitlines()
+        if re.match(r"\| \d+% \| (" + "|".join(BASELINES) + r") \|", line)
+    )
+    assert got == want

@@ -285,6 +285,7 @@ def _quality(results: dict) -> list[str]:
             + " | ".join(f"{p[l]['mean']:+.4f} +- {_f(p[l]['se'], 4)}" for l in LANGS)
             + " |"
         )
+    lines += reap_losses(results)
     card = mdl.get("model_card")
     if card and card.get("loss"):
         same = card.get("same_windows")
@@ -302,6 +303,43 @@ def _quality(results: dict) -> list[str]:
         if card.get("corpora"):
             lines += ["", "Corpora vs the model card: " + describe_corpora(card["corpora"])]
     return lines
+
+
+BASELINES = ("frequency", "router_l1", "router_signed_sum", "random")
+
+
+def reap_losses(results: dict) -> list[str]:
+    """Every (sparsity, baseline, language) where REAP(en+zh+code) has the higher held-out NLL
+    than a calibration-free or frequency baseline: the paired difference, and whether it is more
+    than two standard errors."""
+    pr = results["pruning"]
+    rows = []
+    for p in results["paired"]:
+        base = p["a"].rsplit("_", 1)[0] if p["a"].rsplit("_", 1)[-1].isdigit() else p["a"]
+        if base not in BASELINES or not p["b"].startswith("reap_en_zh_code"):
+            continue
+        for lang in LANGS:
+            d = p[lang]
+            if d["mean"] > 0:
+                big = d["mean"] > 2 * d["se"]
+                rows.append(
+                    f"| {pr[p['b']]['sparsity']:.0%} | {base} | {lang} | +{d['mean']:.4f} +- "
+                    f"{_f(d['se'], 4)} | {'yes' if big else 'no'} |"
+                )
+    head = [
+        "",
+        "Where REAP(en+zh+code) loses to a baseline (held-out NLL, REAP minus the baseline, paired"
+        " per window; `> 2 SE`: larger than two standard errors):",
+        "",
+    ]
+    if not rows:
+        return head[:2] + ["", "Nowhere: REAP(en+zh+code) has the lower NLL in every row.", ""]
+    return head + [
+        "| sparsity | baseline | language | NLL difference | > 2 SE |",
+        "|---|---|---|---:|---|",
+        *rows,
+        "",
+    ]
 
 
 def _router_fit(results: dict) -> list[str]:
@@ -603,6 +641,22 @@ def summary_tables(results: dict) -> str:
                     f" (zh-heavy {pct(r['promoted_zh_heavy'], 0)})"
                 )
             lines.append(f"| {float(sp):.0%} ({f['keep']}) | " + " | ".join(cells) + " |")
+    lines += reap_losses(results)
+    lines += [
+        "Paired per-window NLL differences, second minus first (mean +- standard error):",
+        "",
+        "| first | second | en | zh | code |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for p in results["paired"]:
+        if p["b"] in pr and pr[p["b"]].get("router_fit"):
+            continue
+        lines.append(
+            f"| {_label(results, p['a'])} | {_label(results, p['b'])} | "
+            + " | ".join(f"{p[l]['mean']:+.4f} +- {_f(p[l]['se'], 4)}" for l in LANGS)
+            + " |"
+        )
+    lines += _router_fit(results)
     return "\n".join(lines) + "\n"
 
 
