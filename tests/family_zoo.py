@@ -91,9 +91,9 @@ _FAMILY = {
     "step3p7": {"mlp_layer_types": ["dense", "sparse"]},
     "doge": {"is_moe": True, "num_experts": 16},  # product keys: a square expert count
     "ernie4_5_vl_moe": {"moe_intermediate_size": [32, 32]},
-    # partial rotary 0.5 of head_dim 16: 4 frequencies for the three M-RoPE sections
     # its sliding-window layers have twice `num_key_value_heads`: at most the 4 query heads
     "mimo_v2_flash": {"num_key_value_heads": 2},
+    # partial rotary 0.5 of head_dim 16: 4 frequencies for the three M-RoPE sections
     "glm4v_moe": {
         "num_attention_heads": 2,
         "num_key_value_heads": 2,

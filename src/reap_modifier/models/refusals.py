@@ -8,8 +8,6 @@ cannot equal masking the dropped experts out of routing for that shape.
 
 from __future__ import annotations
 
-import inspect
-
 from torch import nn
 
 from .architecture import MoEArchitecture, MoELayer, UnsupportedMoEError
@@ -30,22 +28,6 @@ def _hash_table(layer: MoELayer) -> str | None:
     return None
 
 
-def _input_gated(layer: MoELayer) -> bool:
-    """Experts called with the hidden states only (the router score already multiplied
-    into their input, every expert sees every token): Llama-4's ``experts(routed_in)``."""
-    if layer.kind != "experts_call":  # (llm-compressor's linearized Llama-4 experts too)
-        return False
-    try:
-        params = [
-            p
-            for p in inspect.signature(layer.experts.forward).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-    except (TypeError, ValueError):
-        return False
-    return len(params) == 1
-
-
 def check_prunable(model: nn.Module, arch: MoEArchitecture) -> None:
     """Raise :class:`UnsupportedMoEError` for the first MoE layer with a routing that
     pruning cannot keep exact (before calibration, so no time is spent)."""
@@ -61,12 +43,4 @@ def check_prunable(model: nn.Module, arch: MoEArchitecture) -> None:
                 "masking it out of routing. REAP refuses hash-routed models. Workaround: "
                 "a configuration without hash layers (DeepSeek-V4: `mlp_layer_types` all "
                 "'moe') prunes normally."
-            )
-        if _input_gated(layer):
-            raise UnsupportedMoEError(
-                f"{family} ({arch.model_class}): MoE layer {layer.name} multiplies the "
-                "router score into each expert's input and runs every expert on every "
-                "token (`experts(hidden)`), so the per-slot expert output REAP weighs "
-                "has no adapter yet (input-side gating). Not supported: no workaround in "
-                "this version; docs/families.md lists the families that prune."
             )
