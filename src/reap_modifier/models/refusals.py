@@ -1,7 +1,7 @@
 """MoE blocks this package recognises but cannot prune exactly: refused before any
 calibration, with the family, the reason and what to do instead.
 
-A refusal is a structural test on one located MoE layer (not a class-name list), so a
+A refusal is a structural test on the located MoE layers (not a class-name list), so a
 new family with the same shape is refused the same way. Each rule says why pruning
 cannot equal masking the dropped experts out of routing for that shape.
 """
@@ -28,10 +28,33 @@ def _hash_table(layer: MoELayer) -> str | None:
     return None
 
 
+def _tied_layers(arch: MoEArchitecture) -> tuple[str, str] | None:
+    """Two MoE layers holding the same expert or router tensor (tied weights)."""
+    owner: dict[int, str] = {}
+    for layer in arch.layers:
+        tensors = list(layer.experts.parameters()) + list(layer.router.parameters())
+        for tensor in {id(t): t for t in tensors}.values():
+            other = owner.setdefault(id(tensor), layer.name)
+            if other != layer.name:
+                return other, layer.name
+    return None
+
+
 def check_prunable(model: nn.Module, arch: MoEArchitecture) -> None:
     """Raise :class:`UnsupportedMoEError` for the first MoE layer with a routing that
     pruning cannot keep exact (before calibration, so no time is spent)."""
     family = _model_type(model)
+    tied = _tied_layers(arch)
+    if tied is not None:
+        raise UnsupportedMoEError(
+            f"{family} ({arch.model_class}): MoE layers {tied[0]} and {tied[1]} share "
+            "their expert weights (tied), e.g. the encoder and the bidirectional "
+            "canvas decoder of a block-diffusion model. REAP scores and cuts every layer "
+            "on its own, so the two would keep different experts of one tensor, and the "
+            "checkpoint (which stores tied weights once) would not be the pruned model. "
+            "REAP prunes causal decoders whose MoE layers own their experts; not "
+            "supported, no workaround in this version (docs/families.md)."
+        )
     for layer in arch.layers:
         table = _hash_table(layer)
         if table is not None:
