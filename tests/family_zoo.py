@@ -86,8 +86,19 @@ _FAMILY = {
     "bamba": {"mamba_n_heads": 8},
     "granitemoehybrid": {"mamba_n_heads": 8},
     "glm5_next": {"index_topk": 16},
+    # MoE variants behind a flag / layer list (their defaults build dense MLPs)
+    "gemma4": {"enable_moe_block": True},
+    "step3p7": {"mlp_layer_types": ["dense", "sparse"]},
+    "doge": {"is_moe": True, "num_experts": 16},  # product keys: a square expert count
     "ernie4_5_vl_moe": {"moe_intermediate_size": [32, 32]},
-    "glm4v_moe": {"rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1]}},
+    # its sliding-window layers have twice `num_key_value_heads`: at most the 4 query heads
+    "mimo_v2_flash": {"num_key_value_heads": 2},
+    # partial rotary 0.5 of head_dim 16: 4 frequencies for the three M-RoPE sections
+    "glm4v_moe": {
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1]},
+    },
 }
 
 

@@ -111,6 +111,20 @@ def test_hash_routed_model_refused_before_calibration(tmp_path, tokenizer):
     assert result.written == []
 
 
+def test_layers_sharing_expert_weights_are_refused_before_calibration():
+    """Tied MoE layers (DiffusionGemma's encoder and decoder): one tensor, two plans."""
+    model, _ = build_family("qwen3_moe", seed=3)
+    check_prunable(model, find_moe_architecture(model))  # untied: prunes
+    arch = find_moe_architecture(model)
+    first, second = arch.layers[0], arch.layers[1]
+    second.experts.gate_up_proj = first.experts.gate_up_proj
+    with pytest.raises(UnsupportedMoEError, match=rf"{first.name} and {second.name} share"):
+        check_prunable(model, arch)
+    model, _ = build_family("diffusion_gemma", seed=3)
+    with pytest.raises(UnsupportedMoEError, match=r"diffusion_gemma .*tied"):
+        check_prunable(model, find_moe_architecture(model))
+
+
 def test_a_tensor_nothing_can_cut_is_named_and_nothing_is_written(tmp_path, tokenizer):
     """A per-expert matrix on the block that surgery does not know: named, no output."""
 

@@ -15,6 +15,12 @@ How the per-slot output norms are obtained, without computing any expert twice:
   ``ids[t, s]``), so the module's own implementation (eager loop, grouped_mm, or
   linearized) returns each slot's expert output. The forward hook records the norms
   and returns ``sum_s g[t, s] * out[t*k + s]``, the output the model would have made.
+- ``input_gated`` blocks (Llama-4: the router score scales each expert's input, every
+  expert runs on every token): a forward hook on the router keeps its scores and logits,
+  one on the experts module takes, per routed (token, slot), the expert's rows of its
+  ``[E * N, H]`` output; the recorded norm is that contribution's norm divided by the
+  gate, so ``g * norm`` is the norm of what the expert adds (see
+  :mod:`reap_modifier.models.input_gated`).
 - ``kimi`` blocks: forward hooks on the gate (ids, weights), on every expert (output
   norms, in the latent space for latent MoE) and on the block (assemble and
   accumulate). Routed dispatch (``moe_infer``) feeds expert ``j`` the flat slots
@@ -108,6 +114,9 @@ class SaliencyObserver:
             )
             if layer.kind == "experts_call":
                 self._attach_experts_call(layer)
+            elif layer.kind == "input_gated":
+                self._register(layer.router, partial(self._gated_router, layer.name), "forward")
+                self._register(layer.experts, partial(self._gated_experts, layer.name), "forward")
             else:
                 self._attach_kimi(layer)
 
@@ -188,6 +197,25 @@ class SaliencyObserver:
         self.accumulators[name].add(ids, weights, norms64(out), valid, samples)
         combined = (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
         return combined.to(dtype)
+
+    # -- input_gated path ------------------------------------------------------------------
+
+    def _gated_router(self, name: str, module, args: tuple, output: tuple):
+        scores, logits = output[0], output[1]
+        # the router's own selection: the same top-k of the same logits
+        ids = logits.topk(self.arch.top_k, dim=-1).indices
+        self._pending[name] = (ids, scores.gather(-1, ids))
+
+    def _gated_experts(self, name: str, module, args: tuple, output: torch.Tensor):
+        ids, gates = self._pending.pop(name)
+        n, k = ids.shape
+        rows = output.view(-1, n, output.shape[-1])  # [E, N, H], expert-major
+        tokens = torch.arange(n, device=rows.device).unsqueeze(1).expand(n, k)
+        contribution = norms64(rows[ids.to(rows.device), tokens])  # ||f_j(g x)||, [N, k]
+        g = gates.to(contribution.device, torch.float64)
+        norms = torch.where(g > 0, contribution / g, torch.zeros_like(contribution))
+        valid, samples = self._take_tokens(name)
+        self.accumulators[name].add(ids, gates, norms, valid, samples)
 
     # -- kimi path ------------------------------------------------------------------------
 

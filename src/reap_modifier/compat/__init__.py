@@ -28,7 +28,12 @@ from __future__ import annotations
 from ..registries import add_save_fixup
 from .data_parallel import RankShareSampler, patch_rank_partition
 from .loading import drop_broken_lazy_aliases, load_packed_model, patch_oneshot_packed_load
-from .saving import patch_gpt_oss_repack, patch_resave_config, repack_linearized_experts
+from .saving import (
+    patch_gpt_oss_repack,
+    patch_llama4_repack,
+    patch_resave_config,
+    repack_linearized_experts,
+)
 from .sequential import (
     patch_calibration_cache,
     patch_traced_config_attention,
@@ -52,6 +57,7 @@ def install() -> None:
         return
     patch_resave_config()
     patch_gpt_oss_repack()
+    patch_llama4_repack()
     patch_rank_partition()
     patch_calibration_cache()
     patch_traced_config_attention()

@@ -1,14 +1,16 @@
 """Saving workarounds: expert counts in the saved config.json, linearized experts packed
-back into each family's native module, the GPT-OSS repack."""
+back into each family's native module, the GPT-OSS and Llama-4 repacks."""
 
 from __future__ import annotations
 
+import torch
 from loguru import logger
 
 from ..registries import saved_config_fixups
 
 __all__ = [
     "patch_gpt_oss_repack",
+    "patch_llama4_repack",
     "patch_resave_config",
     "repack_linearized_experts",
 ]
@@ -83,3 +85,47 @@ def patch_gpt_oss_repack() -> None:
 
     copy_to_experts_module._reap_patched = True
     GptOssExpertMLP.copy_to_experts_module = copy_to_experts_module
+
+
+_LLAMA4_FLAGS = ("is_concatenated", "is_transposed", "has_bias", "has_gate")
+
+
+def patch_llama4_repack() -> None:
+    """Why: llm-compressor 0.14.0.1 ``Llama4LinearExperts.from_experts_module``
+    overrides the base constructor without recording the source class and config that
+    ``to_experts_module`` needs, so its linearized experts are never repacked and save
+    as ``experts.{e}.gate_proj/...``, which transformers' Llama-4 does not load (random
+    experts). Record them, and repack into a fresh ``Llama4TextExperts`` carrying the
+    layout flags the per-expert copy reads (the linearization set them on the source
+    module only)."""
+    from llmcompressor.modeling.moe.llama4 import Llama4LinearExperts
+    from llmcompressor.utils.dev import skip_weights_initialize
+
+    if getattr(Llama4LinearExperts.to_experts_module, "_reap_patched", False):
+        return
+    original = Llama4LinearExperts.from_experts_module.__func__
+
+    def from_experts_module(cls, experts, config):
+        self = original(cls, experts, config)
+        self._source_experts_cls = type(experts)
+        self._source_config = getattr(config, "text_config", None) or config
+        return self
+
+    @torch.no_grad()
+    def to_experts_module(self):
+        with skip_weights_initialize():
+            fused = self._source_experts_cls(self._source_config)
+        first = next(self.parameters(), None)
+        if first is not None:
+            fused.to(device=first.device, dtype=first.dtype)
+        for flag in _LLAMA4_FLAGS:
+            setattr(fused, flag, getattr(type(self), flag))
+        for index in range(self.num_experts):
+            self[index].copy_to_experts_module(fused, index)
+        for flag in _LLAMA4_FLAGS:
+            delattr(fused, flag)
+        return fused
+
+    to_experts_module._reap_patched = True
+    Llama4LinearExperts.from_experts_module = classmethod(from_experts_module)
+    Llama4LinearExperts.to_experts_module = to_experts_module

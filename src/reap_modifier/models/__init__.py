@@ -1,7 +1,9 @@
 """Where a model's MoE layers live: adapters per dispatch shape, architecture discovery
 and the MoE config keys."""
 
-from . import experts_call, kimi  # noqa: F401  (register the adapters, Kimi first)
+# register the adapters; the first match wins, so input-side gating (whose experts are
+# also fused 3-D tensors) before the `experts(hidden, ids, weights)` shape
+from . import input_gated, experts_call, kimi  # noqa: F401  # isort: skip
 from .architecture import MoEArchitecture, MoELayer, NoMoEError, find_moe_architecture
 from .base import MoEAdapter, register_adapter, registered_adapters
 from .config_keys import COUNT_KEYS, text_config

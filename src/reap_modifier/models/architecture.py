@@ -53,7 +53,7 @@ class MoELayer:
     name: str
     block: nn.Module
     router_attr: str
-    kind: str  # "experts_call" | "kimi"
+    kind: str  # "experts_call" | "input_gated" | "kimi"
     #: router rows after the routed experts' (Inkling: one logit per shared expert,
     #: which joins the weight normalisation); kept as they are by surgery
     extra_rows: int = 0

@@ -1,14 +1,12 @@
 """MoE blocks this package recognises but cannot prune exactly: refused before any
 calibration, with the family, the reason and what to do instead.
 
-A refusal is a structural test on one located MoE layer (not a class-name list), so a
+A refusal is a structural test on the located MoE layers (not a class-name list), so a
 new family with the same shape is refused the same way. Each rule says why pruning
 cannot equal masking the dropped experts out of routing for that shape.
 """
 
 from __future__ import annotations
-
-import inspect
 
 from torch import nn
 
@@ -30,26 +28,33 @@ def _hash_table(layer: MoELayer) -> str | None:
     return None
 
 
-def _input_gated(layer: MoELayer) -> bool:
-    """Experts called with the hidden states only (the router score already multiplied
-    into their input, every expert sees every token): Llama-4's ``experts(routed_in)``."""
-    if layer.kind != "experts_call":  # (llm-compressor's linearized Llama-4 experts too)
-        return False
-    try:
-        params = [
-            p
-            for p in inspect.signature(layer.experts.forward).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-    except (TypeError, ValueError):
-        return False
-    return len(params) == 1
+def _tied_layers(arch: MoEArchitecture) -> tuple[str, str] | None:
+    """Two MoE layers holding the same expert or router tensor (tied weights)."""
+    owner: dict[int, str] = {}
+    for layer in arch.layers:
+        tensors = list(layer.experts.parameters()) + list(layer.router.parameters())
+        for tensor in {id(t): t for t in tensors}.values():
+            other = owner.setdefault(id(tensor), layer.name)
+            if other != layer.name:
+                return other, layer.name
+    return None
 
 
 def check_prunable(model: nn.Module, arch: MoEArchitecture) -> None:
     """Raise :class:`UnsupportedMoEError` for the first MoE layer with a routing that
     pruning cannot keep exact (before calibration, so no time is spent)."""
     family = _model_type(model)
+    tied = _tied_layers(arch)
+    if tied is not None:
+        raise UnsupportedMoEError(
+            f"{family} ({arch.model_class}): MoE layers {tied[0]} and {tied[1]} share "
+            "their expert weights (tied), e.g. the encoder and the bidirectional "
+            "canvas decoder of a block-diffusion model. REAP scores and cuts every layer "
+            "on its own, so the two would keep different experts of one tensor, and the "
+            "checkpoint (which stores tied weights once) would not be the pruned model. "
+            "REAP prunes causal decoders whose MoE layers own their experts; not "
+            "supported, no workaround in this version (docs/families.md)."
+        )
     for layer in arch.layers:
         table = _hash_table(layer)
         if table is not None:
@@ -61,12 +66,4 @@ def check_prunable(model: nn.Module, arch: MoEArchitecture) -> None:
                 "masking it out of routing. REAP refuses hash-routed models. Workaround: "
                 "a configuration without hash layers (DeepSeek-V4: `mlp_layer_types` all "
                 "'moe') prunes normally."
-            )
-        if _input_gated(layer):
-            raise UnsupportedMoEError(
-                f"{family} ({arch.model_class}): MoE layer {layer.name} multiplies the "
-                "router score into each expert's input and runs every expert on every "
-                "token (`experts(hidden)`), so the per-slot expert output REAP weighs "
-                "has no adapter yet (input-side gating). Not supported: no workaround in "
-                "this version; docs/families.md lists the families that prune."
             )
