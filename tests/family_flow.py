@@ -46,10 +46,11 @@ def _layout(arch) -> tuple[str, str]:
 
 
 def run_family(
-    family: str, root: Path, tokenizer, dataset=None, prepare=None, **overrides
+    family: str, root: Path, tokenizer, dataset=None, prepare=None, pipeline=None, **overrides
 ) -> FlowResult:
     """:param prepare: called on the loaded model before ``oneshot`` (tests that plant
-    a defect)"""
+    a defect)
+    :param pipeline: ``oneshot``'s pipeline (``None``: its default, sequential)"""
     from llmcompressor import oneshot
 
     result = FlowResult(family)
@@ -77,6 +78,7 @@ def run_family(
             dataset=dataset,
             num_calibration_samples=len(dataset),
             output_dir=str(dst),
+            **({"pipeline": pipeline} if pipeline is not None else {}),
         )
     except Exception as exc:  # a refusal by the product, or a failure
         result.status = "refused" if type(exc).__name__ in REFUSALS else "fails"

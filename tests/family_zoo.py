@@ -41,7 +41,12 @@ TOO_BIG = {
     "minimax_m3_vl": "its vision tower is not shrunk by this zoo (>12 GiB at defaults)",
 }
 #: model types whose registered name differs from the package name
-_CONFIG_TYPE = {"inkling": "inkling_mm_model"}
+_CONFIG_TYPE = {
+    "inkling": "inkling_mm_model",
+    # the thinker (vision + audio towers and the MoE text model) is the language model;
+    # the omni wrapper adds a speech talker and has no forward
+    "qwen3_omni_moe": "qwen3_omni_moe_thinker",
+}
 
 VOCAB = 128
 _INT = {
@@ -85,10 +90,30 @@ _FAMILY = {
     "lfm2_moe": {"num_dense_layers": 0, "layer_types": ["full_attention", "conv"]},
     "bamba": {"mamba_n_heads": 8},
     "granitemoehybrid": {"mamba_n_heads": 8},
-    "glm5_next": {"index_topk": 16},
-    "ernie4_5_vl_moe": {"moe_intermediate_size": [32, 32]},
+    "glm5_next": {
+        "index_topk": 16,
+        "qk_rope_head_dim": 0,
+        "qk_nope_head_dim": 16,
+        "mlp_layer_types": ["sparse", "sparse"],
+    },
+    "ernie4_5_vl_moe": {
+        "moe_intermediate_size": [32, 32],
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [1, 1, 2],
+        },
+    },
+    "zaya": {"num_experts_per_tok": 1},
+    "dbrx": {
+        "attn_config": {"kv_n_heads": 4, "rope_theta": 10000.0},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2},
+    },
     "glm4v_moe": {"rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1]}},
 }
+#: attributes the wrapper's modeling reads but its config class does not declare
+#: (released checkpoints carry them in config.json)
+_WRAPPER_ATTRS = {"qwen3_omni_moe": {"vision_start_token_id": 151652}}
 
 
 def _fields(cls) -> set[str]:
@@ -138,6 +163,8 @@ def family_config(model_type: str, **overrides):
     else:
         kw = _shrunk(cls, _INT, extra)
     cfg = cls(**kw)
+    for name, value in _WRAPPER_ATTRS.get(variant, {}).items():
+        setattr(cfg, name, value)
     if not hasattr(cfg, "pad_token_id"):  # wrappers whose model reads it (Llama-4)
         cfg.pad_token_id = 0
     for c in (cfg, getattr(cfg, "text_config", None)):

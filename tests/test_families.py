@@ -130,3 +130,33 @@ def test_table_lists_every_family_and_the_out_of_scope_ones():
     text = DOC.read_text()
     for family in OUT_OF_SCOPE:
         assert f"`{family}`" in text.split(END, 1)[1]
+
+
+def test_untraceable_wrapper_is_refused_before_calibration_and_basic_goes_through(
+    tmp_path, tokenizer, calibration_set, monkeypatch
+):
+    """Qwen3-Omni's thinker calls its decoder layers from code the sequential tracer
+    wraps: refused once traced, before any calibration batch (no MoE block ever ran),
+    naming the family and `pipeline="basic"`; with that pipeline it prunes exactly."""
+    from reap_modifier.calibration.observer import SaliencyObserver
+
+    calls = []
+    original = SaliencyObserver.__init__
+
+    def counting_init(self, arch, *a, **k):
+        original(self, arch, *a, **k)
+        for layer in arch.layers:
+            layer.block.register_forward_pre_hook(lambda *_: calls.append(1))
+
+    monkeypatch.setattr(SaliencyObserver, "__init__", counting_init)
+    refused = run_family("qwen3_omni_moe", tmp_path / "seq", tokenizer, dataset=calibration_set)
+    assert refused.status == "refused" and refused.written == []
+    assert refused.model_class == "Qwen3OmniMoeThinkerForConditionalGeneration"
+    assert "UnsupportedMoEError: qwen3_omni_moe" in refused.error
+    assert 'pipeline="basic"' in refused.error
+    assert calls == []  # refused before any MoE block ran
+    basic = run_family(
+        "qwen3_omni_moe", tmp_path / "basic", tokenizer, dataset=calibration_set, pipeline="basic"
+    )
+    assert basic.status == "pruned", basic.error
+    assert basic.max_diff is not None and basic.max_diff < TOL

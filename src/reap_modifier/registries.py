@@ -15,13 +15,16 @@ __all__ = [
     "PackedLoadRule",
     "add_calibration_batch_listener",
     "add_save_fixup",
+    "add_traced_subgraphs_listener",
     "add_saved_config_fixup",
     "calibration_batch_listeners",
     "packed_load_rule",
     "remove_calibration_batch_listener",
+    "remove_traced_subgraphs_listener",
     "run_save_fixups",
     "saved_config_fixups",
     "set_packed_load_rule",
+    "traced_subgraphs_listeners",
 ]
 
 # -- the calibration batches the sequential pipeline caches ----------------------------
@@ -43,6 +46,28 @@ def remove_calibration_batch_listener(listener: Callable[[list[dict]], None]) ->
 
 def calibration_batch_listeners() -> list[Callable[[list[dict]], None]]:
     return list(_BATCH_LISTENERS)
+
+
+# -- the sequential pipeline's traced subgraphs ------------------------------------------
+
+_TRACE_LISTENERS: list[Callable[[object, list[set[int]]], None]] = []
+
+
+def add_traced_subgraphs_listener(listener: Callable[[object, list[set[int]]], None]) -> None:
+    """Call ``listener(model, subgraph_modules)`` when the sequential pipeline has traced
+    ``model`` (before any calibration batch): one set of module ``id``s per subgraph,
+    every module that subgraph runs (at any depth)."""
+    if listener not in _TRACE_LISTENERS:
+        _TRACE_LISTENERS.append(listener)
+
+
+def remove_traced_subgraphs_listener(listener: Callable[[object, list[set[int]]], None]) -> None:
+    if listener in _TRACE_LISTENERS:
+        _TRACE_LISTENERS.remove(listener)
+
+
+def traced_subgraphs_listeners() -> list[Callable[[object, list[set[int]]], None]]:
+    return list(_TRACE_LISTENERS)
 
 
 # -- ``oneshot(model=<path>)`` loading a REAP-only recipe's model packed ----------------

@@ -6,7 +6,8 @@ why in its docstring; one module per area:
 - :mod:`.loading`: broken lazy transformers aliases, ``oneshot(model=<path>)`` loading
   packed;
 - :mod:`.data_parallel`: the same dataset on every rank;
-- :mod:`.sequential`: the sequential pipeline's batches (padding) and attention mask.
+- :mod:`.sequential`: the sequential pipeline's batches (padding), attention mask and
+  traced subgraphs.
 
 This package is a leaf: it imports nothing of ours but :mod:`reap_modifier.registries`,
 where the core registers what it needs and the patches publish to; each patch can be
@@ -32,6 +33,7 @@ from .saving import patch_gpt_oss_repack, patch_resave_config, repack_linearized
 from .sequential import (
     patch_calibration_cache,
     patch_traced_config_attention,
+    patch_traced_subgraphs,
     rebuild_traced_config,
 )
 
@@ -55,6 +57,7 @@ def install() -> None:
     patch_rank_partition()
     patch_calibration_cache()
     patch_traced_config_attention()
+    patch_traced_subgraphs()
     patch_oneshot_packed_load()
     drop_broken_lazy_aliases()
     add_save_fixup(repack_linearized_experts)

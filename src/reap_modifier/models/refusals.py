@@ -14,7 +14,7 @@ from torch import nn
 
 from .architecture import MoEArchitecture, MoELayer, UnsupportedMoEError
 
-__all__ = ["UnsupportedMoEError", "check_prunable"]
+__all__ = ["UnsupportedMoEError", "check_prunable", "check_traced"]
 
 
 def _model_type(model: nn.Module) -> str:
@@ -70,3 +70,23 @@ def check_prunable(model: nn.Module, arch: MoEArchitecture) -> None:
                 "has no adapter yet (input-side gating). Not supported: no workaround in "
                 "this version; docs/families.md lists the families that prune."
             )
+
+
+def check_traced(model: nn.Module, arch: MoEArchitecture, subgraphs: list[set[int]]) -> None:
+    """Raise :class:`UnsupportedMoEError` when the sequential pipeline's traced
+    ``subgraphs`` (each a set of module ``id``s) leave some MoE block out: the model's
+    forward calls its decoder layers from code the tracer wraps (Qwen3-Omni's thinker),
+    so calibration would never reach those experts. Checked after tracing, before the
+    first calibration batch."""
+    covered = set().union(*subgraphs) if subgraphs else set()
+    missing = [layer.name for layer in arch.layers if id(layer.block) not in covered]
+    if not missing:
+        return
+    raise UnsupportedMoEError(
+        f"{_model_type(model)} ({arch.model_class}): the sequential pipeline traced "
+        f"{len(subgraphs)} subgraph(s) that never call {len(missing)} of its "
+        f"{len(arch.layers)} MoE layers (e.g. {missing[0]}): the model's forward runs "
+        "its decoder layers from code the tracer cannot split, so REAP would observe no "
+        'token. Workaround: oneshot(..., pipeline="basic") (one calibration pass over '
+        "the whole model)."
+    )
