@@ -313,11 +313,13 @@ class REAPPruningModifier(Modifier):
         self._traced_model = weakref.ref(model)
         registries.add_traced_subgraphs_listener(self._on_traced)
 
-    def _on_traced(self, model: torch.nn.Module, subgraphs: list[set[int]]) -> None:
+    def _on_traced(
+        self, model: torch.nn.Module, subgraphs: list[set[int]] | None, error: Exception | None
+    ) -> None:
         ref = self._traced_model
         if ref is None or ref() is not model:  # another oneshot's model
             return
-        check_traced(model, self._arch, subgraphs)
+        check_traced(model, self._arch, subgraphs, error)
 
     def _prepare_weights(self, model: torch.nn.Module) -> None:
         """Compressed-tensors experts: keep them packed (calibration dequantizes one

@@ -50,23 +50,25 @@ def calibration_batch_listeners() -> list[Callable[[list[dict]], None]]:
 
 # -- the sequential pipeline's traced subgraphs ------------------------------------------
 
-_TRACE_LISTENERS: list[Callable[[object, list[set[int]]], None]] = []
+TraceListener = Callable[[object, "list[set[int]] | None", "Exception | None"], None]
+_TRACE_LISTENERS: list[TraceListener] = []
 
 
-def add_traced_subgraphs_listener(listener: Callable[[object, list[set[int]]], None]) -> None:
-    """Call ``listener(model, subgraph_modules)`` when the sequential pipeline has traced
-    ``model`` (before any calibration batch): one set of module ``id``s per subgraph,
-    every module that subgraph runs (at any depth)."""
+def add_traced_subgraphs_listener(listener: TraceListener) -> None:
+    """Call ``listener(model, subgraph_modules, error)`` when the sequential pipeline has
+    traced ``model`` (before any calibration batch): one set of module ``id``s per
+    subgraph, every module that subgraph runs (at any depth), and ``error`` ``None``;
+    or, when tracing raised, ``None`` and the exception (raised again afterwards)."""
     if listener not in _TRACE_LISTENERS:
         _TRACE_LISTENERS.append(listener)
 
 
-def remove_traced_subgraphs_listener(listener: Callable[[object, list[set[int]]], None]) -> None:
+def remove_traced_subgraphs_listener(listener: TraceListener) -> None:
     if listener in _TRACE_LISTENERS:
         _TRACE_LISTENERS.remove(listener)
 
 
-def traced_subgraphs_listeners() -> list[Callable[[object, list[set[int]]], None]]:
+def traced_subgraphs_listeners() -> list[TraceListener]:
     return list(_TRACE_LISTENERS)
 
 

@@ -5,6 +5,8 @@ why in its docstring; one module per area:
   for saving, the GPT-OSS repack inverse;
 - :mod:`.loading`: broken lazy transformers aliases, ``oneshot(model=<path>)`` loading
   packed;
+- :mod:`.linear_experts`: post-load linearized experts built from the fused module's
+  own intermediate size and constants;
 - :mod:`.data_parallel`: the same dataset on every rank;
 - :mod:`.sequential`: the sequential pipeline's batches (padding), attention mask and
   traced subgraphs.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 from ..registries import add_save_fixup
 from .data_parallel import RankShareSampler, patch_rank_partition
+from .linear_experts import patch_linear_experts_from_source
 from .loading import drop_broken_lazy_aliases, load_packed_model, patch_oneshot_packed_load
 from .saving import patch_gpt_oss_repack, patch_resave_config, repack_linearized_experts
 from .sequential import (
@@ -58,6 +61,7 @@ def install() -> None:
     patch_calibration_cache()
     patch_traced_config_attention()
     patch_traced_subgraphs()
+    patch_linear_experts_from_source()
     patch_oneshot_packed_load()
     drop_broken_lazy_aliases()
     add_save_fixup(repack_linearized_experts)

@@ -65,7 +65,8 @@ def patch_traced_subgraphs() -> None:
     subgraphs, but only traced 1") when a model's forward calls its sequential targets
     from code the tracer wraps (Qwen3-Omni's thinker), and then runs calibration with
     those blocks outside every subgraph, so a modifier finds out only after calibration
-    that it saw nothing. The traced subgraphs (the modules each one runs) are handed to
+    that it saw nothing; and a model it cannot trace at all (MiniMax-M3-VL) fails with
+    the tracer's generated code as the message. The traced subgraphs (or the error) (the modules each one runs) are handed to
     the listeners in :mod:`reap_modifier.registries` before the first calibration batch;
     nothing else changes.
     """
@@ -76,12 +77,17 @@ def patch_traced_subgraphs() -> None:
         return
 
     def trace_subgraphs(model, *args, **kwargs):
-        subgraphs = original(model, *args, **kwargs)
         listeners = traced_subgraphs_listeners()
+        try:
+            subgraphs = original(model, *args, **kwargs)
+        except Exception as exc:  # a listener may raise a clearer error first
+            for listener in listeners:
+                listener(model, None, exc)
+            raise
         if listeners:
             modules = [{id(m) for m in subgraph.submodules(model)} for subgraph in subgraphs]
             for listener in listeners:
-                listener(model, modules)
+                listener(model, modules, None)
         return subgraphs
 
     trace_subgraphs._reap_patched = True

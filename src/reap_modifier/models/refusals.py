@@ -9,6 +9,7 @@ cannot equal masking the dropped experts out of routing for that shape.
 from __future__ import annotations
 
 import inspect
+import re
 
 from torch import nn
 
@@ -50,6 +51,20 @@ def check_prunable(model: nn.Module, arch: MoEArchitecture) -> None:
     """Raise :class:`UnsupportedMoEError` for the first MoE layer with a routing that
     pruning cannot keep exact (before calibration, so no time is spent)."""
     family = _model_type(model)
+    parents: dict[str, list[str]] = {}
+    for layer in arch.layers:
+        parent, _, child = layer.name.rpartition(".")
+        parents.setdefault(parent, []).append(child)
+    for parent, children in parents.items():
+        if len(children) > 1:
+            raise UnsupportedMoEError(
+                f"{family} ({arch.model_class}): {parent} holds {len(children)} MoE blocks "
+                f"({', '.join(children)}): modality-isolated experts (e.g. ERNIE-4.5-VL's "
+                "text and vision experts) sharing one expert count in the config. Text "
+                "calibration never routes a token to the other modality's experts, so REAP "
+                "cannot score them, and pruning only one set would save a checkpoint whose "
+                "counts disagree. Not supported: no workaround in this version."
+            )
     for layer in arch.layers:
         table = _hash_table(layer)
         if table is not None:
@@ -72,21 +87,37 @@ def check_prunable(model: nn.Module, arch: MoEArchitecture) -> None:
             )
 
 
-def check_traced(model: nn.Module, arch: MoEArchitecture, subgraphs: list[set[int]]) -> None:
-    """Raise :class:`UnsupportedMoEError` when the sequential pipeline's traced
-    ``subgraphs`` (each a set of module ``id``s) leave some MoE block out: the model's
-    forward calls its decoder layers from code the tracer wraps (Qwen3-Omni's thinker),
-    so calibration would never reach those experts. Checked after tracing, before the
-    first calibration batch."""
+def check_traced(
+    model: nn.Module,
+    arch: MoEArchitecture,
+    subgraphs: list[set[int]] | None,
+    error: Exception | None = None,
+) -> None:
+    """Raise :class:`UnsupportedMoEError` when the sequential pipeline could not trace
+    the model (``error``) or its traced ``subgraphs`` (each a set of module ``id``s)
+    leave some MoE block out: the model's forward calls its decoder layers from code
+    the tracer wraps (Qwen3-Omni's thinker), so calibration would never reach those
+    experts. Checked after tracing, before the first calibration batch."""
+    workaround = (
+        'Workaround: oneshot(..., pipeline="basic") (one calibration pass over the whole model).'
+    )
+    family = f"{_model_type(model)} ({arch.model_class})"
+    if error is not None:
+        cause = error.__cause__ or error  # the tracer's message is its generated code
+        lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+        why = re.sub(r"\b(0x[0-9a-f]+|\d{9,})\b", "<id>", lines[-1] if lines else "")[:160]
+        raise UnsupportedMoEError(
+            f"{family}: llm-compressor's sequential pipeline cannot trace this model's "
+            f"forward ({type(cause).__name__}: {why}), so it cannot calibrate "
+            f"its MoE layers one decoder layer at a time. {workaround}"
+        ) from error
     covered = set().union(*subgraphs) if subgraphs else set()
     missing = [layer.name for layer in arch.layers if id(layer.block) not in covered]
     if not missing:
         return
     raise UnsupportedMoEError(
-        f"{_model_type(model)} ({arch.model_class}): the sequential pipeline traced "
-        f"{len(subgraphs)} subgraph(s) that never call {len(missing)} of its "
-        f"{len(arch.layers)} MoE layers (e.g. {missing[0]}): the model's forward runs "
-        "its decoder layers from code the tracer cannot split, so REAP would observe no "
-        'token. Workaround: oneshot(..., pipeline="basic") (one calibration pass over '
-        "the whole model)."
+        f"{family}: the sequential pipeline traced {len(subgraphs or [])} subgraph(s) "
+        f"that never call {len(missing)} of its {len(arch.layers)} MoE layers (e.g. "
+        f"{missing[0]}): the model's forward runs its decoder layers from code the tracer "
+        f"cannot split, so REAP would observe no token. {workaround}"
     )
