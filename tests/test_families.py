@@ -90,6 +90,25 @@ KNOWN_FAILING = {
 }
 
 
+#: multimodal wrappers whose text model is MoE: the vision / audio towers stay as they are
+TOWERS = {
+    "deepseek_ocr2", "glm4v_moe", "glm5_next", "inkling", "kimi_k3", "minimax_m3_vl",
+    "qwen3_5_moe", "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp",
+}  # fmt: skip
+TOWER_KEYS = re.compile(r"vision|visual|audio|sam_model|image|patch|projector")
+#: hybrids (Mamba / linear attention beside MoE): the non-MoE blocks stay as they are
+HYBRIDS = {"granitemoehybrid", "jamba", "kimi_linear", "nemotron_h", "qwen3_next"}
+HYBRID_KEYS = re.compile(r"mamba|mixer|linear_attn|A_log|dt_bias|conv1d|in_proj")
+
+
+def assert_untouched_outside_moe(result, marker: re.Pattern) -> None:
+    """Every tensor outside the pruned MoE blocks (by module path, as the reloaded
+    source and pruned checkpoints hold them) is bit-identical, and some of them match
+    ``marker`` (the towers / mixers this checks)."""
+    assert any(marker.search(k) for k in result.outside), result.outside[:20]
+    assert result.changed_outside == [], f"{result.family}: changed by pruning"
+
+
 def _params():
     return [
         pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILING[f]))
@@ -115,6 +134,8 @@ def test_family(family, tmp_path, tokenizer, calibration_set):
         _write_row(family, row)
     if result.status == "pruned":
         assert result.max_diff is not None and result.max_diff < TOL, result
+        if family in TOWERS | HYBRIDS:
+            assert_untouched_outside_moe(result, TOWER_KEYS if family in TOWERS else HYBRID_KEYS)
     else:
         assert result.written == [], f"{family}: refused but wrote {result.written}"
     if not WRITE:
@@ -160,3 +181,4 @@ def test_untraceable_wrapper_is_refused_before_calibration_and_basic_goes_throug
     )
     assert basic.status == "pruned", basic.error
     assert basic.max_diff is not None and basic.max_diff < TOL
+    assert_untouched_outside_moe(basic, TOWER_KEYS)  # vision and audio towers untouched

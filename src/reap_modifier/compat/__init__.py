@@ -7,6 +7,8 @@ why in its docstring; one module per area:
   packed;
 - :mod:`.linear_experts`: post-load linearized experts built from the fused module's
   own intermediate size and constants;
+- :mod:`.offset_norm`: offset norms restored bit-exactly after calibration when no
+  modifier changed them;
 - :mod:`.data_parallel`: the same dataset on every rank;
 - :mod:`.sequential`: the sequential pipeline's batches (padding), attention mask and
   traced subgraphs.
@@ -32,6 +34,7 @@ from ..registries import add_save_fixup
 from .data_parallel import RankShareSampler, patch_rank_partition
 from .linear_experts import patch_linear_experts_from_source
 from .loading import drop_broken_lazy_aliases, load_packed_model, patch_oneshot_packed_load
+from .offset_norm import patch_offset_norm_restore
 from .saving import patch_gpt_oss_repack, patch_resave_config, repack_linearized_experts
 from .sequential import (
     patch_calibration_cache,
@@ -62,6 +65,7 @@ def install() -> None:
     patch_traced_config_attention()
     patch_traced_subgraphs()
     patch_linear_experts_from_source()
+    patch_offset_norm_restore()
     patch_oneshot_packed_load()
     drop_broken_lazy_aliases()
     add_save_fixup(repack_linearized_experts)
