@@ -85,9 +85,7 @@ NOT_MEASURED = "not measured yet"
 TOL = 1e-4
 #: families whose pruned logits differ from the oracle: each a known open defect,
 #: xfail(strict) so a fix shows up
-KNOWN_FAILING = {
-    "diffusion_gemma": "pruned logits differ from masked routing after save/reload",
-}
+KNOWN_FAILING: dict[str, str] = {}
 
 
 #: multimodal wrappers whose text model is MoE: the vision / audio towers stay as they are

@@ -56,7 +56,8 @@ def check_prunable(model: nn.Module, arch: MoEArchitecture) -> None:
         parent, _, child = layer.name.rpartition(".")
         parents.setdefault(parent, []).append(child)
     for parent, children in parents.items():
-        if len(children) > 1:
+        named = [c for c in children if not c.isdigit()]  # not the layers of a ModuleList
+        if len(named) > 1:
             raise UnsupportedMoEError(
                 f"{family} ({arch.model_class}): {parent} holds {len(children)} MoE blocks "
                 f"({', '.join(children)}): modality-isolated experts (e.g. ERNIE-4.5-VL's "
