@@ -34,6 +34,12 @@ class FlowResult:
     router: str = ""
     experts: str = ""
     written: list[str] = dataclasses.field(default_factory=list)
+    #: the pruned MoE blocks' module names
+    moe_layers: list[str] = dataclasses.field(default_factory=list)
+    #: tensors (parameters and buffers, by module path) outside the pruned MoE blocks,
+    #: and those of them that differ between the reloaded source and pruned checkpoints
+    outside: list[str] = dataclasses.field(default_factory=list)
+    changed_outside: list[str] = dataclasses.field(default_factory=list)
 
 
 def _layout(arch) -> tuple[str, str]:
@@ -46,10 +52,11 @@ def _layout(arch) -> tuple[str, str]:
 
 
 def run_family(
-    family: str, root: Path, tokenizer, dataset=None, prepare=None, **overrides
+    family: str, root: Path, tokenizer, dataset=None, prepare=None, pipeline=None, **overrides
 ) -> FlowResult:
     """:param prepare: called on the loaded model before ``oneshot`` (tests that plant
-    a defect)"""
+    a defect)
+    :param pipeline: ``oneshot``'s pipeline (``None``: its default, sequential)"""
     from llmcompressor import oneshot
 
     result = FlowResult(family)
@@ -69,6 +76,7 @@ def run_family(
     try:
         arch = find_moe_architecture(model)
         result.count_key = arch.count_keys[0]
+        result.moe_layers = arch.layer_names
         result.router, result.experts = _layout(arch)
         oneshot(
             model=model,
@@ -77,6 +85,7 @@ def run_family(
             dataset=dataset,
             num_calibration_samples=len(dataset),
             output_dir=str(dst),
+            **({"pipeline": pipeline} if pipeline is not None else {}),
         )
     except Exception as exc:  # a refusal by the product, or a failure
         result.status = "refused" if type(exc).__name__ in REFUSALS else "fails"
@@ -99,5 +108,11 @@ def run_family(
         got = pruned(input_ids=ids, use_cache=False).logits
     assert not torch.equal(plain, expected), f"{family}: masking changed nothing"
     result.status = "pruned"
+    blocks = tuple(name + "." for name in result.moe_layers)
+    before, after = source.state_dict(), pruned.state_dict()
+    result.outside = [k for k in before if not k.startswith(blocks)]
+    result.changed_outside = [
+        k for k in result.outside if k not in after or not torch.equal(before[k], after[k])
+    ]
     result.max_diff = float((got - expected).abs().max())
     return result

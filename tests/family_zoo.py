@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["FAMILY_TYPES", "OUT_OF_SCOPE", "build_family", "family_config"]
+__all__ = ["ENCODERS", "FAMILY_TYPES", "OUT_OF_SCOPE", "build_family", "family_config"]
 
 #: every model type of transformers 5.17 whose decoder has routed experts, and
 #: llm-compressor's Kimi K3 (its other modeling classes patch these families)
@@ -35,13 +35,18 @@ OUT_OF_SCOPE = {
     "nllb_moe": "encoder-decoder MoE",
     "vitpose_backbone": "vision backbone, no decoder",
 }
+#: MoE encoders (bidirectional attention, a per-token head instead of an LM head):
+#: pruned like decoders, the oracle compares their per-token logits
+ENCODERS = {"openai_privacy_filter": "token classification"}
 #: families this zoo cannot shrink yet (building them exhausts the test machine's memory)
-TOO_BIG = {
-    "deepseek_ocr2": "its vision encoders are not shrunk by this zoo (>20 GiB at defaults)",
-    "minimax_m3_vl": "its vision tower is not shrunk by this zoo (>12 GiB at defaults)",
-}
+TOO_BIG: dict[str, str] = {}
 #: model types whose registered name differs from the package name
-_CONFIG_TYPE = {"inkling": "inkling_mm_model"}
+_CONFIG_TYPE = {
+    "inkling": "inkling_mm_model",
+    # the thinker (vision + audio towers and the MoE text model) is the language model;
+    # the omni wrapper adds a speech talker and has no forward
+    "qwen3_omni_moe": "qwen3_omni_moe_thinker",
+}
 
 VOCAB = 128
 _INT = {
@@ -85,12 +90,10 @@ _FAMILY = {
     "lfm2_moe": {"num_dense_layers": 0, "layer_types": ["full_attention", "conv"]},
     "bamba": {"mamba_n_heads": 8},
     "granitemoehybrid": {"mamba_n_heads": 8},
-    "glm5_next": {"index_topk": 16},
     # MoE variants behind a flag / layer list (their defaults build dense MLPs)
     "gemma4": {"enable_moe_block": True},
     "step3p7": {"mlp_layer_types": ["dense", "sparse"]},
     "doge": {"is_moe": True, "num_experts": 16},  # product keys: a square expert count
-    "ernie4_5_vl_moe": {"moe_intermediate_size": [32, 32]},
     # its sliding-window layers have twice `num_key_value_heads`: at most the 4 query heads
     "mimo_v2_flash": {"num_key_value_heads": 2},
     # partial rotary 0.5 of head_dim 16: 4 frequencies for the three M-RoPE sections
@@ -99,6 +102,63 @@ _FAMILY = {
         "num_key_value_heads": 2,
         "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1]},
     },
+    "glm5_next": {
+        "index_topk": 16,
+        "qk_rope_head_dim": 0,
+        "qk_nope_head_dim": 16,
+        "mlp_layer_types": ["sparse", "sparse"],
+    },
+    "ernie4_5_vl_moe": {
+        "moe_intermediate_size": [32, 32],
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [1, 1, 2],
+        },
+    },
+    "zaya": {"num_experts_per_tok": 1},
+    "deepseek_ocr2": {"mlp_layer_types": ["sparse", "sparse"]},
+    "dbrx": {
+        "attn_config": {"kv_n_heads": 4, "rope_theta": 10000.0},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2},
+    },
+}
+#: wrappers whose sub-configs are built here (``AutoConfig`` placeholders, nested vision
+#: configs): sub-config -> (registered config type, sizes beyond the shrink tables)
+_SUB_CONFIGS = {
+    "aria": {
+        "text_config": ("aria_text", {}),
+        "vision_config": ("idefics3_vision", {"image_size": 28, "patch_size": 14}),
+    },
+    "minimax_m3_vl": {
+        "text_config": ("minimax_m3_vl_text", {}),
+        "vision_config": ("minimax_m3_vl_vision", {"image_size": 56}),
+    },
+    "deepseek_ocr2": {
+        "text_config": ("deepseek_ocr2_text", {}),
+        "vision_config": (
+            "deepseek_ocr2_vision",
+            {
+                "sam_config": {
+                    "hidden_size": 16, "output_channels": 16, "num_hidden_layers": 2,
+                    "num_attention_heads": 2, "image_size": 64, "window_size": 2,
+                    "global_attn_indexes": [1], "downsample_channels": [16, 32],
+                },
+                "encoder_config": {
+                    "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 32,
+                    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                    "max_window_layers": 1,
+                },
+            },
+        ),
+    },
+}  # fmt: skip
+#: wrapper attributes set after construction: sizes outside the shrink tables, and
+#: attributes its modeling reads that the config class does not declare (released
+#: checkpoints carry them in config.json)
+_WRAPPER_ATTRS = {
+    "qwen3_omni_moe": {"vision_start_token_id": 151652},
+    "minimax_m3_vl": {"projector_hidden_size": 32},
 }
 
 
@@ -138,7 +198,12 @@ def family_config(model_type: str, **overrides):
     kw = {}
     extra = dict(_FAMILY.get(variant, {}))
     extra.update(overrides)
-    if "text_config" in subs:
+    if variant in _SUB_CONFIGS:  # sub-configs built here, nested ones shrunk too
+        for name, (sub_type, sub_extra) in _SUB_CONFIGS[variant].items():
+            sub_cls = CONFIG_MAPPING[sub_type]
+            table, more = (_INT, extra) if name == "text_config" else (_VISION, {})
+            kw[name] = sub_cls(**{**_shrunk(sub_cls, table, more), **sub_extra})
+    elif "text_config" in subs:
         text_cls = subs["text_config"]
         if not isinstance(text_cls, type):
             text_cls = AutoConfig.for_model(model_type).__class__
@@ -149,6 +214,8 @@ def family_config(model_type: str, **overrides):
     else:
         kw = _shrunk(cls, _INT, extra)
     cfg = cls(**kw)
+    for name, value in _WRAPPER_ATTRS.get(variant, {}).items():
+        setattr(cfg, name, value)
     if not hasattr(cfg, "pad_token_id"):  # wrappers whose model reads it (Llama-4)
         cfg.pad_token_id = 0
     for c in (cfg, getattr(cfg, "text_config", None)):
@@ -166,7 +233,12 @@ def model_class(model_type: str, config):
         from tiny_models import model_class as kimi
 
         return kimi("kimi_k3")
-    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+    autos = [AutoModelForCausalLM, AutoModelForImageTextToText]
+    if model_type in ENCODERS:
+        from transformers import AutoModelForTokenClassification
+
+        autos = [AutoModelForTokenClassification]
+    for auto in autos:
         try:
             return auto._model_mapping[type(config)]
         except KeyError:

@@ -88,6 +88,25 @@ TOL = 1e-4
 KNOWN_FAILING: dict[str, str] = {}
 
 
+#: multimodal wrappers whose text model is MoE: the vision / audio towers stay as they are
+TOWERS = {
+    "deepseek_ocr2", "glm4v_moe", "glm5_next", "inkling", "kimi_k3", "minimax_m3_vl",
+    "qwen3_5_moe", "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp",
+}  # fmt: skip
+TOWER_KEYS = re.compile(r"vision|visual|audio|sam_model|image|patch|projector")
+#: hybrids (Mamba / linear attention beside MoE): the non-MoE blocks stay as they are
+HYBRIDS = {"granitemoehybrid", "jamba", "kimi_linear", "nemotron_h", "qwen3_next"}
+HYBRID_KEYS = re.compile(r"mamba|mixer|linear_attn|A_log|dt_bias|conv1d|in_proj")
+
+
+def assert_untouched_outside_moe(result, marker: re.Pattern) -> None:
+    """Every tensor outside the pruned MoE blocks (by module path, as the reloaded
+    source and pruned checkpoints hold them) is bit-identical, and some of them match
+    ``marker`` (the towers / mixers this checks)."""
+    assert any(marker.search(k) for k in result.outside), result.outside[:20]
+    assert result.changed_outside == [], f"{result.family}: changed by pruning"
+
+
 def _params():
     return [
         pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILING[f]))
@@ -113,6 +132,8 @@ def test_family(family, tmp_path, tokenizer, calibration_set):
         _write_row(family, row)
     if result.status == "pruned":
         assert result.max_diff is not None and result.max_diff < TOL, result
+        if family in TOWERS | HYBRIDS:
+            assert_untouched_outside_moe(result, TOWER_KEYS if family in TOWERS else HYBRID_KEYS)
     else:
         assert result.written == [], f"{family}: refused but wrote {result.written}"
     if not WRITE:
@@ -128,3 +149,34 @@ def test_table_lists_every_family_and_the_out_of_scope_ones():
     text = DOC.read_text()
     for family in OUT_OF_SCOPE:
         assert f"`{family}`" in text.split(END, 1)[1]
+
+
+def test_untraceable_wrapper_is_refused_before_calibration_and_basic_goes_through(
+    tmp_path, tokenizer, calibration_set, monkeypatch
+):
+    """Qwen3-Omni's thinker calls its decoder layers from code the sequential tracer
+    wraps: refused once traced, before any calibration batch (no MoE block ever ran),
+    naming the family and `pipeline="basic"`; with that pipeline it prunes exactly."""
+    from reap_modifier.calibration.observer import SaliencyObserver
+
+    calls = []
+    original = SaliencyObserver.__init__
+
+    def counting_init(self, arch, *a, **k):
+        original(self, arch, *a, **k)
+        for layer in arch.layers:
+            layer.block.register_forward_pre_hook(lambda *_: calls.append(1))
+
+    monkeypatch.setattr(SaliencyObserver, "__init__", counting_init)
+    refused = run_family("qwen3_omni_moe", tmp_path / "seq", tokenizer, dataset=calibration_set)
+    assert refused.status == "refused" and refused.written == []
+    assert refused.model_class == "Qwen3OmniMoeThinkerForConditionalGeneration"
+    assert "UnsupportedMoEError: qwen3_omni_moe" in refused.error
+    assert 'pipeline="basic"' in refused.error
+    assert calls == []  # refused before any MoE block ran
+    basic = run_family(
+        "qwen3_omni_moe", tmp_path / "basic", tokenizer, dataset=calibration_set, pipeline="basic"
+    )
+    assert basic.status == "pruned", basic.error
+    assert basic.max_diff is not None and basic.max_diff < TOL
+    assert_untouched_outside_moe(basic, TOWER_KEYS)  # vision and audio towers untouched

@@ -9,6 +9,7 @@ keeps upstream's experts. Scores, plans, manifests, other saliency criteria,
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Literal
 
@@ -38,7 +39,7 @@ from .fileio import sha256_file, write_json_atomic
 from .layerwise import LayerwiseCut
 from .models import MoEArchitecture, find_moe_architecture
 from .models.loading import register_kimi_auto_classes
-from .models.refusals import check_prunable
+from .models.refusals import check_prunable, check_traced
 from .router_fit import FIT_METHOD, RouterFitError, fit_router, router_fit_problem
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
 from .scores.baselines import baseline_saliency, baseline_scores, layer_number, model_fingerprint
@@ -154,6 +155,8 @@ class REAPPruningModifier(Modifier):
     _deferred_plan: PruningPlan | None = PrivateAttr(default=None)
     _router_fit: dict | None = PrivateAttr(default=None)
     _fitted_tensors: dict | None = PrivateAttr(default=None)
+    #: the model whose sequential trace must reach every MoE block (a weak reference)
+    _traced_model: object | None = PrivateAttr(default=None)
 
     # -- validation (before any model work) -----------------------------------------
 
@@ -295,6 +298,7 @@ class REAPPruningModifier(Modifier):
             self._cut_from_weights(state.model)
         else:
             self._observer = SaliencyObserver(arch, self.register_hook, model=state.model)
+            self._check_trace_of(state.model)
             if self.propagate_pruned:
                 # the routers change during calibration: fingerprint the unpruned model
                 self._source_fingerprint = self._fingerprint()
@@ -302,6 +306,20 @@ class REAPPruningModifier(Modifier):
                     arch, self._observer, self._cut_args(), self._cpu_group
                 )
         return True
+
+    def _check_trace_of(self, model: torch.nn.Module) -> None:
+        """Refuse, after the sequential pipeline traces ``model`` and before its first
+        calibration batch, a trace whose subgraphs never call some MoE block."""
+        self._traced_model = weakref.ref(model)
+        registries.add_traced_subgraphs_listener(self._on_traced)
+
+    def _on_traced(
+        self, model: torch.nn.Module, subgraphs: list[set[int]] | None, error: Exception | None
+    ) -> None:
+        ref = self._traced_model
+        if ref is None or ref() is not model:  # another oneshot's model
+            return
+        check_traced(model, self._arch, subgraphs, error)
 
     def _prepare_weights(self, model: torch.nn.Module) -> None:
         """Compressed-tensors experts: keep them packed (calibration dequantizes one
@@ -407,6 +425,7 @@ class REAPPruningModifier(Modifier):
         # never restore the calibrate-all flag here: finalize runs after oneshot's own
         # context has put the flag back, and writing it now would leave it set for the process
         self._restore_calibrate_all = None
+        registries.remove_traced_subgraphs_listener(self._on_traced)
         self.remove_hooks()
         if self._observer is not None:
             self._observer.detach()

@@ -15,13 +15,16 @@ __all__ = [
     "PackedLoadRule",
     "add_calibration_batch_listener",
     "add_save_fixup",
+    "add_traced_subgraphs_listener",
     "add_saved_config_fixup",
     "calibration_batch_listeners",
     "packed_load_rule",
     "remove_calibration_batch_listener",
+    "remove_traced_subgraphs_listener",
     "run_save_fixups",
     "saved_config_fixups",
     "set_packed_load_rule",
+    "traced_subgraphs_listeners",
 ]
 
 # -- the calibration batches the sequential pipeline caches ----------------------------
@@ -43,6 +46,30 @@ def remove_calibration_batch_listener(listener: Callable[[list[dict]], None]) ->
 
 def calibration_batch_listeners() -> list[Callable[[list[dict]], None]]:
     return list(_BATCH_LISTENERS)
+
+
+# -- the sequential pipeline's traced subgraphs ------------------------------------------
+
+TraceListener = Callable[[object, "list[set[int]] | None", "Exception | None"], None]
+_TRACE_LISTENERS: list[TraceListener] = []
+
+
+def add_traced_subgraphs_listener(listener: TraceListener) -> None:
+    """Call ``listener(model, subgraph_modules, error)`` when the sequential pipeline has
+    traced ``model`` (before any calibration batch): one set of module ``id``s per
+    subgraph, every module that subgraph runs (at any depth), and ``error`` ``None``;
+    or, when tracing raised, ``None`` and the exception (raised again afterwards)."""
+    if listener not in _TRACE_LISTENERS:
+        _TRACE_LISTENERS.append(listener)
+
+
+def remove_traced_subgraphs_listener(listener: TraceListener) -> None:
+    if listener in _TRACE_LISTENERS:
+        _TRACE_LISTENERS.remove(listener)
+
+
+def traced_subgraphs_listeners() -> list[TraceListener]:
+    return list(_TRACE_LISTENERS)
 
 
 # -- ``oneshot(model=<path>)`` loading a REAP-only recipe's model packed ----------------

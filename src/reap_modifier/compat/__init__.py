@@ -5,8 +5,13 @@ why in its docstring; one module per area:
   for saving, the GPT-OSS repack inverse;
 - :mod:`.loading`: broken lazy transformers aliases, ``oneshot(model=<path>)`` loading
   packed;
+- :mod:`.linear_experts`: post-load linearized experts built from the fused module's
+  own intermediate size and constants;
+- :mod:`.offset_norm`: offset norms restored bit-exactly after calibration when no
+  modifier changed them;
 - :mod:`.data_parallel`: the same dataset on every rank;
-- :mod:`.sequential`: the sequential pipeline's batches (padding) and attention mask.
+- :mod:`.sequential`: the sequential pipeline's batches (padding), attention mask and
+  traced subgraphs.
 
 This package is a leaf: it imports nothing of ours but :mod:`reap_modifier.registries`,
 where the core registers what it needs and the patches publish to; each patch can be
@@ -27,7 +32,9 @@ from __future__ import annotations
 
 from ..registries import add_save_fixup
 from .data_parallel import RankShareSampler, patch_rank_partition
+from .linear_experts import patch_linear_experts_from_source
 from .loading import drop_broken_lazy_aliases, load_packed_model, patch_oneshot_packed_load
+from .offset_norm import patch_offset_norm_restore
 from .saving import (
     patch_gpt_oss_repack,
     patch_llama4_repack,
@@ -37,6 +44,7 @@ from .saving import (
 from .sequential import (
     patch_calibration_cache,
     patch_traced_config_attention,
+    patch_traced_subgraphs,
     rebuild_traced_config,
 )
 
@@ -61,6 +69,9 @@ def install() -> None:
     patch_rank_partition()
     patch_calibration_cache()
     patch_traced_config_attention()
+    patch_traced_subgraphs()
+    patch_linear_experts_from_source()
+    patch_offset_norm_restore()
     patch_oneshot_packed_load()
     drop_broken_lazy_aliases()
     add_save_fixup(repack_linearized_experts)

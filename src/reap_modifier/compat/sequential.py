@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..registries import calibration_batch_listeners
+from ..registries import calibration_batch_listeners, traced_subgraphs_listeners
 
 __all__ = [
     "patch_calibration_cache",
@@ -58,6 +58,40 @@ def patch_calibration_cache() -> None:
 
     from_dataloader._reap_patched = True
     IntermediatesCache.from_dataloader = classmethod(from_dataloader)
+
+
+def patch_traced_subgraphs() -> None:
+    """Why: llm-compressor 0.14.0.1's sequential pipeline only warns ("Expected N
+    subgraphs, but only traced 1") when a model's forward calls its sequential targets
+    from code the tracer wraps (Qwen3-Omni's thinker), and then runs calibration with
+    those blocks outside every subgraph, so a modifier finds out only after calibration
+    that it saw nothing; and a model it cannot trace at all (MiniMax-M3-VL) fails with
+    the tracer's generated code as the message. The traced subgraphs (or the error) (the modules each one runs) are handed to
+    the listeners in :mod:`reap_modifier.registries` before the first calibration batch;
+    nothing else changes.
+    """
+    from llmcompressor.pipelines.sequential import pipeline
+
+    original = pipeline.trace_subgraphs
+    if getattr(original, "_reap_patched", False):
+        return
+
+    def trace_subgraphs(model, *args, **kwargs):
+        listeners = traced_subgraphs_listeners()
+        try:
+            subgraphs = original(model, *args, **kwargs)
+        except Exception as exc:  # a listener may raise a clearer error first
+            for listener in listeners:
+                listener(model, None, exc)
+            raise
+        if listeners:
+            modules = [{id(m) for m in subgraph.submodules(model)} for subgraph in subgraphs]
+            for listener in listeners:
+                listener(model, modules, None)
+        return subgraphs
+
+    trace_subgraphs._reap_patched = True
+    pipeline.trace_subgraphs = trace_subgraphs
 
 
 # -- the sequential pipeline's attention mask --------------------------------------------

@@ -106,12 +106,13 @@ class MoEArchitecture:
 
 def router_weight_of(router: nn.Module) -> torch.Tensor | None:
     """The router's ``[E, hidden]`` logits weight: its own ``weight``, or that of its
-    only ``nn.Linear`` child (AFMoE's ``router.gate``, Hunyuan's ``gate.wg``, DBRX's
-    ``router.layer``)."""
+    only ``nn.Linear`` (AFMoE's ``router.gate``, Hunyuan's ``gate.wg``, DBRX's
+    ``router.layer``). A router with several linears (ZAYA's down-projection and MLP)
+    has no single logits weight: ``None``."""
     weight = getattr(router, "weight", None)
     if isinstance(weight, torch.Tensor):
         return weight
-    linears = [m for m in router.children() if isinstance(m, nn.Linear)]
+    linears = [m for m in router.modules() if isinstance(m, nn.Linear)]
     return linears[0].weight if len(linears) == 1 else None
 
 

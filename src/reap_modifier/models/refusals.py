@@ -8,11 +8,13 @@ cannot equal masking the dropped experts out of routing for that shape.
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 
 from .architecture import MoEArchitecture, MoELayer, UnsupportedMoEError
 
-__all__ = ["UnsupportedMoEError", "check_prunable"]
+__all__ = ["UnsupportedMoEError", "check_prunable", "check_traced"]
 
 
 def _model_type(model: nn.Module) -> str:
@@ -55,6 +57,21 @@ def check_prunable(model: nn.Module, arch: MoEArchitecture) -> None:
             "REAP prunes causal decoders whose MoE layers own their experts; not "
             "supported, no workaround in this version (docs/families.md)."
         )
+    parents: dict[str, list[str]] = {}
+    for layer in arch.layers:
+        parent, _, child = layer.name.rpartition(".")
+        parents.setdefault(parent, []).append(child)
+    for parent, children in parents.items():
+        named = [c for c in children if not c.isdigit()]  # not the layers of a ModuleList
+        if len(named) > 1:
+            raise UnsupportedMoEError(
+                f"{family} ({arch.model_class}): {parent} holds {len(children)} MoE blocks "
+                f"({', '.join(children)}): modality-isolated experts (e.g. ERNIE-4.5-VL's "
+                "text and vision experts) sharing one expert count in the config. Text "
+                "calibration never routes a token to the other modality's experts, so REAP "
+                "cannot score them, and pruning only one set would save a checkpoint whose "
+                "counts disagree. Not supported: no workaround in this version."
+            )
     for layer in arch.layers:
         table = _hash_table(layer)
         if table is not None:
@@ -67,3 +84,39 @@ def check_prunable(model: nn.Module, arch: MoEArchitecture) -> None:
                 "a configuration without hash layers (DeepSeek-V4: `mlp_layer_types` all "
                 "'moe') prunes normally."
             )
+
+
+def check_traced(
+    model: nn.Module,
+    arch: MoEArchitecture,
+    subgraphs: list[set[int]] | None,
+    error: Exception | None = None,
+) -> None:
+    """Raise :class:`UnsupportedMoEError` when the sequential pipeline could not trace
+    the model (``error``) or its traced ``subgraphs`` (each a set of module ``id``s)
+    leave some MoE block out: the model's forward calls its decoder layers from code
+    the tracer wraps (Qwen3-Omni's thinker), so calibration would never reach those
+    experts. Checked after tracing, before the first calibration batch."""
+    workaround = (
+        'Workaround: oneshot(..., pipeline="basic") (one calibration pass over the whole model).'
+    )
+    family = f"{_model_type(model)} ({arch.model_class})"
+    if error is not None:
+        cause = error.__cause__ or error  # the tracer's message is its generated code
+        lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+        why = re.sub(r"\b(0x[0-9a-f]+|\d{9,})\b", "<id>", lines[-1] if lines else "")[:160]
+        raise UnsupportedMoEError(
+            f"{family}: llm-compressor's sequential pipeline cannot trace this model's "
+            f"forward ({type(cause).__name__}: {why}), so it cannot calibrate "
+            f"its MoE layers one decoder layer at a time. {workaround}"
+        ) from error
+    covered = set().union(*subgraphs) if subgraphs else set()
+    missing = [layer.name for layer in arch.layers if id(layer.block) not in covered]
+    if not missing:
+        return
+    raise UnsupportedMoEError(
+        f"{family}: the sequential pipeline traced {len(subgraphs or [])} subgraph(s) "
+        f"that never call {len(missing)} of its {len(arch.layers)} MoE layers (e.g. "
+        f"{missing[0]}): the model's forward runs its decoder layers from code the tracer "
+        f"cannot split, so REAP would observe no token. {workaround}"
+    )
