@@ -62,8 +62,13 @@ def _layer_key(name: str) -> tuple[int, str] | None:
 #: MoE container names that transformers renames on load, both ways: a plan names the
 #: loaded model's module (``model.layers.0.mlp``), the checkpoint its own tensors
 #: (``model.layers.0.block_sparse_moe``). transformers 5's conversion mappings rename
-#: ``.block_sparse_moe.`` to ``.mlp.`` for Mixtral-style checkpoints.
-CONTAINER_ALIASES = {"mlp": ("block_sparse_moe",), "block_sparse_moe": ("mlp",)}
+#: ``.block_sparse_moe.`` to ``.mlp.`` for Mixtral-style checkpoints, ``.ffn.`` to
+#: ``.mlp.`` for DeepSeek-V4.
+CONTAINER_ALIASES = {
+    "mlp": ("block_sparse_moe", "ffn"),
+    "block_sparse_moe": ("mlp",),
+    "ffn": ("mlp",),
+}
 
 
 def resolve_block(name: str, blocks: Iterable[str], *, what: str = "plan layer") -> str:
@@ -83,10 +88,6 @@ def resolve_block(name: str, blocks: Iterable[str], *, what: str = "plan layer")
     if not matches:
         aliases = {(key[0], alias) for alias in CONTAINER_ALIASES.get(key[1], ())}
         matches = [b for b in blocks if _layer_key(b) in aliases]
-    if not matches:  # renamed on load some other way (DeepSeek-V4: ffn -> mlp): the
-        # layer's only MoE block
-        same = [b for b in blocks if (_layer_key(b) or (None,))[0] == key[0]]
-        matches = same if len(same) == 1 else []
     if not matches:
         raise CheckpointError(
             f"{what} {name!r}: no MoE block of the checkpoint is layer {key[0]} "
@@ -193,6 +194,14 @@ class RewriteSpec:
                 shape = self.remap.out_shape(entry.name, entry.shape, rows)
                 out.append((out_name, entry, entry.index_ranges(rows, dim), shape))
         return out
+
+    def cut_tensors(self) -> dict[str, int]:
+        """Every tensor cut to the kept experts -> the dimension cut (for the manifest)."""
+        return {
+            name: dim
+            for p in sorted(self.block_kept)
+            for name, dim in sorted(self.layout.blocks[p].cuts.items())
+        }
 
     def output_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every output tensor's name -> shape (headers only, before anything is written)."""

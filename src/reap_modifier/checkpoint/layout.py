@@ -395,10 +395,14 @@ def scan_moe_blocks(
 
 
 def check_block(
-    block: MoEBlock, entries: Mapping[str, TensorEntry], expected: int | None = None
+    block: MoEBlock,
+    entries: Mapping[str, TensorEntry],
+    expected: int | None = None,
+    cuts: Mapping[str, int] | None = None,
 ) -> list[str]:
     """Structural problems of one MoE block (empty list when consistent): no router
-    weight, a cut tensor without ``expected`` entries, missing / orphan / incomplete
+    weight, a cut tensor without ``expected`` entries (``cuts``: name -> dimension, e.g.
+    as a manifest records them; default the block's own), missing / orphan / incomplete
     experts."""
     problems = []
     E = expected if expected is not None else block.num_experts
@@ -408,8 +412,13 @@ def check_block(
             f"{p}: no router weight ({' / '.join(ROUTER_MODULES)} tensor named *.weight, "
             f"2-D, {block.num_experts} rows) found"
         )
-    for name, dim in sorted(block.cuts.items()):
+    if cuts is None:
+        cuts = block.cuts
+    for name, dim in sorted(cuts.items()):
+        if not name.startswith(p + ".") or PER_EXPERT_RE.match(name):
+            continue
         if name not in entries:
+            problems.append(f"{name}: missing (a tensor of {p} cut to the kept experts)")
             continue
         shape = entries[name].shape
         want = E + (block.extra_rows if name == block.router_weight else 0)

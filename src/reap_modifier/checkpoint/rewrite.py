@@ -273,6 +273,7 @@ class RewriteJob:
                 "extra_layers": spec.extra,
                 "block_kept": spec.block_kept,
                 "count_keys": spec.count_keys,
+                "cut_tensors": spec.cut_tensors(),
                 "index_file": layout.index_file,
                 "output_shards": {
                     name: {

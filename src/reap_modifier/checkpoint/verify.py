@@ -240,9 +240,9 @@ def verify_checkpoint(
         report.fail("no MoE layer (no '.experts.' tensors) in the checkpoint")
     for problem in check_packed_scales(entries, config):
         report.fail(problem)
-    if E is not None:
-        _check_experts(config, blocks, entries, E, report)
     manifest = _read_manifest(mpath, source, report)
+    if E is not None:
+        _check_experts(config, blocks, entries, E, report, _recorded_cuts(manifest))
     block_kept, out_hashes_expected = None, {}
     if manifest is not None:
         block_kept, out_hashes_expected = _check_manifest_or_report(
@@ -294,11 +294,23 @@ def _check_counts(config: dict, mpath: Path, report: VerifyReport) -> int | None
     return E
 
 
-def _check_experts(config: dict, blocks, entries, E: int, report: VerifyReport) -> None:
-    """Every MoE block holds experts ``0..E-1`` and router rows for ``E``; per-expert names in
-    ``quantization_config`` stay below ``E``; top-k does not exceed ``E``."""
+def _recorded_cuts(manifest) -> dict[str, int] | None:
+    """The manifest's cut tensors (name -> dimension), when it records them."""
+    try:
+        cuts = manifest["checkpoint"]["cut_tensors"]
+        return {str(name): int(dim) for name, dim in cuts.items()}
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None
+
+
+def _check_experts(
+    config: dict, blocks, entries, E: int, report: VerifyReport, cuts: dict | None = None
+) -> None:
+    """Every MoE block holds experts ``0..E-1`` and ``E`` entries in every cut tensor (the
+    manifest's ``cut_tensors`` when recorded, else those the rule finds); per-expert names
+    in ``quantization_config`` stay below ``E``; top-k does not exceed ``E``."""
     for block in blocks.values():
-        for problem in check_block(block, entries, E):
+        for problem in check_block(block, entries, E, cuts):
             report.fail(problem)
     for qc in quant_configs(config):
         for key, names in (("ignore", qc.get("ignore")),) + tuple(
