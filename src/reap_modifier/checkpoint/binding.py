@@ -248,7 +248,7 @@ def bind_plan(
     E = plan.num_experts
     problems = []
     for b in layout.blocks.values():
-        problems += check_block(b, {n: layout.entry(n) for n in (*b.router, *b.fused)}, None)
+        problems += check_block(b, {n: layout.entry(n) for n in b.cuts}, None)
         if b.num_experts != E:
             problems.append(
                 f"{b.prefix}: {b.num_experts} experts in the checkpoint, the plan is for {E}"
