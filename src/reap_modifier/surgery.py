@@ -21,6 +21,7 @@ from torch import nn
 
 from .models import MoEArchitecture, MoELayer
 from .models.config_keys import MODULE_COUNT_ATTRS
+from .models.expert_tensors import cut_dim
 from .scores.plan import PlanError, PruningPlan
 
 __all__ = ["apply_plan", "prune_layer", "update_config_counts"]
@@ -93,13 +94,10 @@ def _cut_routing_tensors(layer: MoELayer, kept: list[int], num_experts: int) -> 
         if is_table(tensor):
             _remap_table(name, module, attr, kept, num_experts)
             continue
-        dims = [d for d, size in enumerate(tensor.shape) if size == num_experts]
-        if len(dims) != 1:
-            continue  # already cut, not per expert, or ambiguous (the wholeness check names it)
-        in_router = module is not layer.block
-        vector = all(size == 1 for d, size in enumerate(tensor.shape) if d != dims[0])
-        if vector or (in_router and dims[0] == 0):
-            _select_dim(module, attr, index, dims[0])
+        # not per expert, already cut, or ambiguous: None (the wholeness check names it)
+        dim = cut_dim(tensor.shape, num_experts, "router" if module is not layer.block else "block")
+        if dim is not None:
+            _select_dim(module, attr, index, dim)
 
 
 def _update_module_counts(module: nn.Module, new_count: int, old_count: int) -> None:

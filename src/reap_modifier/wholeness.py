@@ -1,7 +1,8 @@
 """Proof that a pruned model is whole, run after the cut and before anything is saved.
 
 Surgery cuts what it knows (experts, router rows, per-expert routing vectors, token ->
-expert tables). This module does not trust that: for every pruned MoE block it looks
+expert tables). This module does not trust that (the per-tensor rule is
+:mod:`reap_modifier.models.expert_tensors`, shared with the checkpoint rewriter): for every pruned MoE block it looks
 at every parameter and buffer of the router, of the block itself and of fused experts
 (any rank, any name) and names each one that still has the old expert count in a
 dimension, each ModuleList of experts of the wrong length and each token -> expert
@@ -18,6 +19,7 @@ from loguru import logger
 from torch import nn
 
 from .models import MoEArchitecture, MoELayer
+from .models.expert_tensors import left_behind
 
 __all__ = ["WholenessError", "check_whole", "leftovers", "routing_tensors"]
 
@@ -66,7 +68,7 @@ def leftovers(arch: MoEArchitecture, old_count: int) -> list[str]:
     new_count = arch.num_experts
     problems: list[str] = []
     for layer in arch.layers:
-        for name, _, _, tensor in routing_tensors(layer):
+        for name, module, _, tensor in routing_tensors(layer):
             if tensor.device.type == "meta":
                 continue
             if is_table(tensor):
@@ -75,12 +77,14 @@ def leftovers(arch: MoEArchitecture, old_count: int) -> list[str]:
                         f"{name}: token -> expert table still holds expert id "
                         f"{int(tensor.max())} (the block now has {new_count} experts)"
                     )
-            elif old_count in tensor.shape:
+            elif left_behind(
+                tensor.shape, old_count, "router" if module is not layer.block else "block"
+            ):
                 problems.append(
                     f"{name}: shape {tuple(tensor.shape)} still has {old_count} experts"
                 )
         for name, tensor in _fused_tensors(layer):
-            if tensor.dim() and tensor.shape[0] == old_count:
+            if left_behind(tensor.shape, old_count, "experts"):
                 problems.append(
                     f"{name}: shape {tuple(tensor.shape)} still has {old_count} experts"
                 )

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from loguru import logger
 
 from ..models.config_keys import COUNT_KEYS, group_limit
+from ..models.expert_tensors import hash_routed_message
 from ..scores.plan import PlanError, PruningPlan
-from .errors import CheckpointError
+from .errors import CheckpointError, NotWholeError
 from .layout import (
     COUNT_KEY_CONTAINERS,
     LAYER_RE,
@@ -37,6 +38,7 @@ from .layout import (
     check_block,
     check_packed_scales,
     find_count_keys,
+    left_behind_in,
     preview,
 )
 from .safetensors_header import TensorEntry
@@ -60,8 +62,13 @@ def _layer_key(name: str) -> tuple[int, str] | None:
 #: MoE container names that transformers renames on load, both ways: a plan names the
 #: loaded model's module (``model.layers.0.mlp``), the checkpoint its own tensors
 #: (``model.layers.0.block_sparse_moe``). transformers 5's conversion mappings rename
-#: ``.block_sparse_moe.`` to ``.mlp.`` for Mixtral-style checkpoints.
-CONTAINER_ALIASES = {"mlp": ("block_sparse_moe",), "block_sparse_moe": ("mlp",)}
+#: ``.block_sparse_moe.`` to ``.mlp.`` for Mixtral-style checkpoints, ``.ffn.`` to
+#: ``.mlp.`` for DeepSeek-V4.
+CONTAINER_ALIASES = {
+    "mlp": ("block_sparse_moe", "ffn"),
+    "block_sparse_moe": ("mlp",),
+    "ffn": ("mlp",),
+}
 
 
 def resolve_block(name: str, blocks: Iterable[str], *, what: str = "plan layer") -> str:
@@ -105,23 +112,41 @@ class ExpertRemap:
         self._remaps = {
             p: {old: new for new, old in enumerate(k)} for p, k in self.block_kept.items()
         }
-        self._row_blocks = {
-            n: p for p, b in blocks.items() if p in self.block_kept for n in (*b.router, *b.fused)
+        #: cut tensor -> (block, dimension)
+        self._cut = {
+            n: (blocks[p], dim)
+            for p in self.block_kept
+            if p in blocks
+            for n, dim in blocks[p].cuts.items()
         }
 
     def action(self, name: str) -> tuple[str, list[int] | None] | None:
-        """``None`` (dropped) or ``(out_name, rows)``: ``rows`` is ``None`` for a
-        verbatim copy, else the dim-0 rows kept (router and fused expert tensors)."""
+        """``None`` (dropped) or ``(out_name, entries)``: ``entries`` is ``None`` for a
+        verbatim copy, else the entries kept along :meth:`dim` (router rows, fused expert
+        rows, per-expert vectors)."""
         m = PER_EXPERT_RE.match(name)
         if m and m["block"] in self._remaps:
             new = self._remaps[m["block"]].get(int(m["idx"]))
             if new is None:
                 return None
             return f"{m['block']}.experts.{new}.{m['rest']}", None
-        block = self._row_blocks.get(name)
-        if block is not None:
-            return name, self.block_kept[block]
+        cut = self._cut.get(name)
+        if cut is not None:
+            block = cut[0]
+            return name, block.rows_for(name, self.block_kept[block.prefix])
         return name, None
+
+    def dim(self, name: str) -> int:
+        """The dimension a cut tensor is cut along (0: rows)."""
+        cut = self._cut.get(name)
+        return cut[1] if cut is not None else 0
+
+    def out_shape(self, name: str, shape: tuple[int, ...], rows: list[int] | None):
+        """The shape of ``name`` after the cut."""
+        if rows is None:
+            return tuple(shape)
+        d = self.dim(name)
+        return (*shape[:d], len(rows), *shape[d + 1 :])
 
 
 @dataclass
@@ -165,8 +190,42 @@ class RewriteSpec:
             if rows is None:
                 out.append((out_name, entry, [(entry.begin, entry.end)], entry.shape))
             else:
-                out.append((out_name, entry, entry.row_ranges(rows), (len(rows), *entry.shape[1:])))
+                dim = self.remap.dim(entry.name)
+                shape = self.remap.out_shape(entry.name, entry.shape, rows)
+                out.append((out_name, entry, entry.index_ranges(rows, dim), shape))
         return out
+
+    def cut_tensors(self) -> dict[str, int]:
+        """Every tensor cut to the kept experts -> the dimension cut (for the manifest)."""
+        return {
+            name: dim
+            for p in sorted(self.block_kept)
+            for name, dim in sorted(self.layout.blocks[p].cuts.items())
+        }
+
+    def output_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every output tensor's name -> shape (headers only, before anything is written)."""
+        out = {}
+        for name in self.layout.weight_map:
+            act = self.action(name)
+            if act is not None:
+                out[act[0]] = self.remap.out_shape(name, self.layout.entry(name).shape, act[1])
+        return out
+
+    def left_behind(self, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+        """The wholeness rule on output ``shapes``: tensors of pruned blocks that still
+        have the old expert count, and expert indices at or beyond the new count."""
+        old, new = self.plan.num_experts, self.plan.num_kept
+        problems = []
+        for p in self.block_kept:
+            block = self.layout.blocks[p]
+            if new != old:
+                problems += left_behind_in(block, shapes, old)
+            for name in shapes:
+                m = PER_EXPERT_RE.match(name)
+                if m and m["block"] == p and int(m["idx"]) >= new:
+                    problems.append(f"{name}: expert index beyond the new count {new}")
+        return problems
 
 
 def bind_plan(
@@ -189,13 +248,14 @@ def bind_plan(
     E = plan.num_experts
     problems = []
     for b in layout.blocks.values():
-        problems += check_block(b, {n: layout.entry(n) for n in (*b.router, *b.fused)}, None)
+        problems += check_block(b, {n: layout.entry(n) for n in b.cuts}, None)
         if b.num_experts != E:
             problems.append(
                 f"{b.prefix}: {b.num_experts} experts in the checkpoint, the plan is for {E}"
             )
     if problems:
         raise CheckpointError("checkpoint does not fit the plan:\n  " + "\n  ".join(problems))
+    _refuse_unprunable(layout)
     problems = check_packed_scales({n: layout.entry(n) for n in layout.weight_map}, layout.config)
     if problems:
         raise CheckpointError(
@@ -308,7 +368,52 @@ def bind_plan(
                     f"needs the same number kept in every group; the plan keeps {per}"
                 )
     spec = RewriteSpec(layout, plan, block_kept, layer_map, extra, sorted(count_keys))
+    problems = spec.left_behind(spec.output_shapes())
+    if problems:  # the rules above should make this impossible: the last line of defence
+        raise NotWholeError(_not_whole(layout, problems))
     return spec
+
+
+def _not_whole(layout: CheckpointLayout, problems: list[str]) -> str:
+    return (
+        f"{layout.path}: the pruned checkpoint would not be whole, nothing was written. "
+        f"{len(problems)} tensor(s) of MoE blocks would keep the old expert count: "
+        + "; ".join(problems[:8])
+        + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
+        + ". REAP does not know how to cut them; this family needs support for them "
+        "(docs/architecture.md, 'Adding a model family')."
+    )
+
+
+def _refuse_unprunable(layout: CheckpointLayout) -> None:
+    """Refuse, before anything is written, a checkpoint whose pruned blocks could not be
+    whole: hash-routed layers (token -> expert tables), tensors holding the expert count
+    where no rule cuts them, router rows beyond the experts that are not shared-expert
+    logits. The same rules as the modifier's (:mod:`reap_modifier.models.refusals`,
+    :mod:`reap_modifier.wholeness`)."""
+    family = str(layout.config.get("model_type") or layout.model_class or "checkpoint")
+    for p, block in sorted(layout.blocks.items()):
+        if block.tables:
+            table = block.tables[0][len(p) + 1 :]
+            raise CheckpointError(hash_routed_message(family, layout.model_class, p, table))
+    uncut = [
+        f"{n}: shape {list(layout.entry(n).shape)} has {b.num_experts} (experts) in a "
+        "dimension no rule cuts"
+        for b in layout.blocks.values()
+        for n in b.uncut
+    ]
+    if uncut:
+        raise NotWholeError(_not_whole(layout, uncut))
+    shared = layout.config_value(("n_shared_experts", "num_shared_experts"))
+    for _, block in sorted(layout.blocks.items()):
+        if block.extra_rows and block.extra_rows != shared:
+            raise CheckpointError(
+                f"{family} ({layout.model_class}): {block.router_weight}: the router has "
+                f"{block.num_experts + block.extra_rows} rows for {block.num_experts} routed "
+                f"experts; the other {block.extra_rows} route to slots that are not routed "
+                "experts (n_shared_experts is "
+                f"{shared}), which REAP cannot renumber. Not supported (docs/families.md)."
+            )
 
 
 # ---------------------------------------------------------------------------

@@ -79,7 +79,7 @@ class ExpertPlanPruner(_ConverterBase):
             out_name, rows = act
             if rows is not None:
                 idx = torch.tensor(rows, dtype=torch.long, device=tensor.device)
-                tensor = tensor.index_select(0, idx).contiguous()
+                tensor = tensor.index_select(self.spec.remap.dim(name), idx).contiguous()
             if out_name in out:
                 raise CheckpointError(f"two tensors would be written as {out_name!r}")
             out[out_name] = tensor

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "DestinationError"]
+__all__ = ["CheckpointError", "DestinationError", "NotWholeError"]
 
 
 class CheckpointError(ValueError):
@@ -11,3 +11,9 @@ class CheckpointError(ValueError):
 
 class DestinationError(CheckpointError):
     """The output path is refused (not empty, the source, inside the source...)."""
+
+
+class NotWholeError(CheckpointError):
+    """The pruned checkpoint would keep a tensor of a pruned MoE block at the old expert
+    count (the wholeness rule of :mod:`reap_modifier.models.expert_tensors`); nothing is
+    written."""

@@ -66,7 +66,7 @@ def bind_replacements(
             continue
         out_name, rows = act
         entry = spec.layout.entry(name)
-        shape = tuple(entry.shape) if rows is None else (len(rows), *entry.shape[1:])
+        shape = spec.remap.out_shape(name, entry.shape, rows)
         produced[out_name] = (name, entry.dtype, shape)
     out: dict[str, Replacement] = {}
     for layer, named in tensors.items():

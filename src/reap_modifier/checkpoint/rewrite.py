@@ -38,11 +38,12 @@ from ..scores.plan import PruningPlan
 from .binding import ExtraLayers, RewriteSpec, bind_plan
 from .converter import ExpertPlanPruner
 from .destination import DestinationClaim, check_destination, swap_into_place, work_path
-from .errors import CheckpointError, DestinationError
+from .errors import CheckpointError, DestinationError, NotWholeError
 from .layout import CheckpointLayout, inspect_checkpoint
 from .manifest import MANIFEST_NAME, build_manifest
 from .pause_points import pause_point
 from .replaced_tensors import bind_replacements, replacement_record, write_replacements
+from .safetensors_header import read_safetensors_header
 from .scores_cut import ScoresCut
 from .source_hashes import SourceHasher, default_hash_cache
 from .upstream import convert
@@ -216,6 +217,7 @@ class RewriteJob:
                 if bar is not None:
                     bar.close()
                 _check_written(tmp, converter)
+                _check_whole(tmp, self.spec)
                 if self.replacements:
                     converter.output_checksums.update(
                         write_replacements(tmp, self.replacements, converter.output_checksum)
@@ -271,6 +273,7 @@ class RewriteJob:
                 "extra_layers": spec.extra,
                 "block_kept": spec.block_kept,
                 "count_keys": spec.count_keys,
+                "cut_tensors": spec.cut_tensors(),
                 "index_file": layout.index_file,
                 "output_shards": {
                     name: {
@@ -321,6 +324,21 @@ def _check_written(tmp: Path, converter: ExpertPlanPruner) -> None:
     if written != set(converter.output_bytes):
         raise CheckpointError(
             f"internal error: shards written {sorted(written)} != recorded {sorted(converter.output_bytes)}"
+        )
+
+
+def _check_whole(tmp: Path, spec: RewriteSpec) -> None:
+    """The wholeness rule on the written headers, before the output is swapped into place
+    (the rules :func:`bind_plan` applied make a failure here an internal error)."""
+    shapes = {}
+    for shard in tmp.rglob("*.safetensors"):
+        header = read_safetensors_header(shard, strict=False)
+        shapes.update({name: e.shape for name, e in header.entries.items()})
+    problems = spec.left_behind(shapes)
+    if problems:
+        raise NotWholeError(
+            f"internal error: the written checkpoint is not whole ({'; '.join(problems[:8])}); "
+            "it was not kept"
         )
 
 

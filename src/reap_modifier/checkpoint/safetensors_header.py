@@ -43,19 +43,32 @@ class TensorEntry:
 
     def row_ranges(self, rows: Iterable[int]) -> list[tuple[int, int]]:
         """Absolute byte ranges of ``rows`` along dim 0 (merged when adjacent)."""
-        if not self.shape:
-            raise CheckpointError(f"{self.name}: a scalar has no rows to select")
-        n = self.shape[0]
-        if n == 0 or self.nbytes % n:
-            raise CheckpointError(f"{self.name}: {self.nbytes} bytes do not split into {n} rows")
-        row = self.nbytes // n
+        return self.index_ranges(rows, 0)
+
+    def index_ranges(self, index: Iterable[int], dim: int = 0) -> list[tuple[int, int]]:
+        """Absolute byte ranges of the entries ``index`` along ``dim``, in storage order
+        (merged when adjacent): the bytes of ``tensor.index_select(dim, index)``."""
+        if len(self.shape) <= dim:
+            raise CheckpointError(f"{self.name}: shape {list(self.shape)} has no dim {dim}")
+        n = self.shape[dim]
+        outer = 1
+        for s in self.shape[:dim]:
+            outer *= s
+        if n == 0 or outer == 0 or self.nbytes % (n * outer):
+            raise CheckpointError(
+                f"{self.name}: {self.nbytes} bytes do not split into {outer} x {n} entries"
+            )
+        step = self.nbytes // (n * outer)  # bytes of one entry along dim
+        index = list(index)
         out: list[tuple[int, int]] = []
-        for r in rows:
-            b = self.begin + r * row
-            if out and out[-1][1] == b:
-                out[-1] = (out[-1][0], b + row)
-            else:
-                out.append((b, b + row))
+        for o in range(outer):
+            base = self.begin + o * n * step
+            for r in index:
+                b = base + r * step
+                if out and out[-1][1] == b:
+                    out[-1] = (out[-1][0], b + step)
+                else:
+                    out.append((b, b + step))
         return out
 
 

@@ -7,9 +7,11 @@ Without a source (headers, config and manifest; the shards are read once to hash
   (no tensor missing from its shard, no tensor in a shard that the index omits, no
   safetensors file the index does not reference);
 - the config's expert count equals the experts present in every MoE layer: no
-  missing or orphan expert index, every expert has the same parameters, router
-  (weight / bias / ``e_score_correction_bias``) and fused expert tensors have that
-  many rows; per-expert names in ``quantization_config`` are within range;
+  missing or orphan expert index, every expert has the same parameters, every cut
+  tensor (router rows, fused experts, per-expert vectors of any name) has that many
+  entries; per-expert names in ``quantization_config`` are within range;
+- the pruned MoE blocks are whole: no tensor still has the count before pruning
+  (the manifest's), no token -> expert table;
 - ``pruning_manifest.json`` agrees with the files: counts after pruning, the kept
   ids of every MoE layer, and the size and checksum (xxh3-128 or sha256) of every
   output shard (a flipped byte fails here).
@@ -41,7 +43,9 @@ from .layout import (
     MODULE_EXPERT_RE,
     check_block,
     check_packed_scales,
+    config_count,
     find_count_keys,
+    left_behind_in,
     quant_configs,
     read_weight_map,
     scan_moe_blocks,
@@ -223,7 +227,7 @@ def verify_checkpoint(
     if loaded is None:
         return report
     config, index_file, weight_map, shards, entries = loaded
-    blocks = scan_moe_blocks(entries)
+    blocks = scan_moe_blocks(entries, config_count(config))
     report.info["moe_layers"] = len(blocks)
     report.info["tensors"] = len(entries)
     report.info["shards"] = len(shards)
@@ -236,14 +240,15 @@ def verify_checkpoint(
         report.fail("no MoE layer (no '.experts.' tensors) in the checkpoint")
     for problem in check_packed_scales(entries, config):
         report.fail(problem)
-    if E is not None:
-        _check_experts(config, blocks, entries, E, report)
     manifest = _read_manifest(mpath, source, report)
+    if E is not None:
+        _check_experts(config, blocks, entries, E, report, _recorded_cuts(manifest))
     block_kept, out_hashes_expected = None, {}
     if manifest is not None:
         block_kept, out_hashes_expected = _check_manifest_or_report(
             manifest, report, blocks, E, shards
         )
+    _check_whole(blocks, entries, manifest, report)
     dst_tensor_sha = _hash_output_shards(shards, out_hashes_expected, source, report, progress)
     if source is not None and block_kept is not None:
         try:
@@ -289,11 +294,23 @@ def _check_counts(config: dict, mpath: Path, report: VerifyReport) -> int | None
     return E
 
 
-def _check_experts(config: dict, blocks, entries, E: int, report: VerifyReport) -> None:
-    """Every MoE block holds experts ``0..E-1`` and router rows for ``E``; per-expert names in
-    ``quantization_config`` stay below ``E``; top-k does not exceed ``E``."""
+def _recorded_cuts(manifest) -> dict[str, int] | None:
+    """The manifest's cut tensors (name -> dimension), when it records them."""
+    try:
+        cuts = manifest["checkpoint"]["cut_tensors"]
+        return {str(name): int(dim) for name, dim in cuts.items()}
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None
+
+
+def _check_experts(
+    config: dict, blocks, entries, E: int, report: VerifyReport, cuts: dict | None = None
+) -> None:
+    """Every MoE block holds experts ``0..E-1`` and ``E`` entries in every cut tensor (the
+    manifest's ``cut_tensors`` when recorded, else those the rule finds); per-expert names
+    in ``quantization_config`` stay below ``E``; top-k does not exceed ``E``."""
     for block in blocks.values():
-        for problem in check_block(block, entries, E):
+        for problem in check_block(block, entries, E, cuts):
             report.fail(problem)
     for qc in quant_configs(config):
         for key, names in (("ignore", qc.get("ignore")),) + tuple(
@@ -322,6 +339,26 @@ def _check_experts(config: dict, blocks, entries, E: int, report: VerifyReport) 
                 top_k = int(c[k])
     if top_k is not None and top_k > E:
         report.fail(f"top-k {top_k} exceeds the expert count {E}")
+
+
+def _check_whole(blocks, entries, manifest, report: VerifyReport) -> None:
+    """The wholeness rule (:mod:`reap_modifier.models.expert_tensors`): no token -> expert
+    table in a MoE block (``reap prune`` refuses hash-routed models), and, with the
+    manifest's count before pruning, no tensor of a MoE block that still has it."""
+    for block in blocks.values():
+        for name in block.tables:
+            report.fail(
+                f"{name}: a token -> expert table in a pruned MoE block (hash routing); "
+                "reap prune refuses hash-routed models"
+            )
+    before = manifest.get("num_experts_before") if isinstance(manifest, dict) else None
+    after = manifest.get("num_experts_after") if isinstance(manifest, dict) else None
+    if not isinstance(before, int) or before == after:
+        return
+    shapes = {n: tuple(e.shape) for n, e in entries.items()}
+    for block in blocks.values():
+        for problem in left_behind_in(block, shapes, before):
+            report.fail(problem)
 
 
 def _read_manifest(mpath: Path, source, report: VerifyReport) -> dict | None:
@@ -496,8 +533,8 @@ def _compare_with_source(
     report.failures.extend(sub.failures)
     if loaded is None:
         return
-    _, _, weight_map, shards, entries = loaded
-    blocks = scan_moe_blocks(entries)
+    src_config, _, weight_map, shards, entries = loaded
+    blocks = scan_moe_blocks(entries, config_count(src_config))
     missing_blocks = sorted(set(block_kept) - set(blocks))
     for p in missing_blocks:
         report.fail(f"source has no MoE layer {p} (named by the manifest)")
@@ -519,11 +556,16 @@ def _compare_with_source(
             expected[out_name] = (name, [(entry.begin, entry.end)], entry.dtype, entry.shape)
         else:
             try:
-                ranges = entry.row_ranges(rows)
+                ranges = entry.index_ranges(rows, remap.dim(name))
             except CheckpointError as exc:
                 report.fail(str(exc))
                 continue
-            expected[out_name] = (name, ranges, entry.dtype, (len(rows), *entry.shape[1:]))
+            expected[out_name] = (
+                name,
+                ranges,
+                entry.dtype,
+                remap.out_shape(name, entry.shape, rows),
+            )
     bar = _bar(progress, sum(h.file_size for h in shards.values()), "verify source")
     src_sha: dict[str, str] = {}
     for shard, header in shards.items():

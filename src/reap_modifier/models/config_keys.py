@@ -26,6 +26,7 @@ TOP_K_KEYS = (
     "experts_per_token",
     "moe_top_k",
     "moe_topk",
+    "moe_k",
     "top_k_experts",
     "top_k",
 )

@@ -13,6 +13,7 @@ import re
 from torch import nn
 
 from .architecture import MoEArchitecture, MoELayer, UnsupportedMoEError
+from .expert_tensors import hash_routed_message
 
 __all__ = ["UnsupportedMoEError", "check_prunable", "check_traced"]
 
@@ -76,13 +77,9 @@ def check_prunable(model: nn.Module, arch: MoEArchitecture) -> None:
         table = _hash_table(layer)
         if table is not None:
             raise UnsupportedMoEError(
-                f"{family} ({arch.model_class}): MoE layer {layer.name} is hash-routed: "
-                f"its router picks experts from a frozen token -> expert table "
-                f"(`{layer.router_attr}.{table}`), so removing an expert the table names "
-                "changes which experts those tokens use, and no pruned checkpoint equals "
-                "masking it out of routing. REAP refuses hash-routed models. Workaround: "
-                "a configuration without hash layers (DeepSeek-V4: `mlp_layer_types` all "
-                "'moe') prunes normally."
+                hash_routed_message(
+                    family, arch.model_class, layer.name, f"{layer.router_attr}.{table}"
+                )
             )
 
 

@@ -59,9 +59,10 @@ __all__ = [
     "scores_from_weights",
 ]
 
-#: ``<block>.gate.weight`` / ``<block>.router.weight`` (not ``gate_proj``, not
-#: ``shared_expert_gate``: the component before ``weight`` must be exactly gate/router)
-ROUTER_NAME_RE = re.compile(r"^(?P<layer>.+)\.(?:gate|router)\.weight$")
+#: ``<block>.gate.weight`` / ``<block>.router.weight``, or one module down
+#: (``router.layer.weight``, ``router.gate.weight``, ``gate.wg.weight``); never
+#: ``gate_proj`` or ``shared_expert_gate``: the module must be exactly gate/router
+ROUTER_NAME_RE = re.compile(r"^(?P<layer>.+?)\.(?:gate|router)\.(?:[^.]+\.)?weight$")
 _LAYER_NUM_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
@@ -207,6 +208,7 @@ def read_checkpoint_config(checkpoint: str | os.PathLike) -> dict:
     if not path.is_file():
         return {
             "num_experts": None,
+            "n_shared_experts": None,
             "top_k": None,
             "n_group": None,
             "topk_group": None,
@@ -228,6 +230,7 @@ def read_checkpoint_config(checkpoint: str | os.PathLike) -> dict:
     archs = config.get("architectures") or [None]
     return {
         "num_experts": first(COUNT_KEYS),
+        "n_shared_experts": first(("n_shared_experts", "num_shared_experts")),
         "top_k": first(TOP_K_KEYS),
         "n_group": first(N_GROUP_KEYS),
         "topk_group": first(TOPK_GROUP_KEYS),
@@ -235,35 +238,54 @@ def read_checkpoint_config(checkpoint: str | os.PathLike) -> dict:
     }
 
 
+def _owns_experts(layer: str, rows: int, names: list[str], stacked: set[str]) -> bool:
+    """Whether a router's block holds experts: ``<layer>.experts.*`` tensors, or a 3-D
+    tensor under it with ``rows`` leading entries (a router of something else is not
+    a MoE layer's)."""
+    head = layer + "."
+    return any(n.startswith(head + "experts.") for n in names) or any(
+        s.startswith(head) and s.endswith(f":{rows}") for s in stacked
+    )
+
+
 def read_router_weights(
-    checkpoint: str | os.PathLike, num_experts: int | None = None
+    checkpoint: str | os.PathLike, num_experts: int | None = None, extra_rows: int = 0
 ) -> dict[str, torch.Tensor]:
     """Router weights per MoE block, read from safetensors without loading the model.
 
-    Only tensors named ``<block>.gate.weight`` / ``<block>.router.weight`` with two
-    dimensions are read (one ``get_tensor`` each). ``num_experts`` (default: from
+    Only tensors named ``<block>.gate.weight`` / ``<block>.router.weight`` (or one module
+    down: ``router.layer.weight``) with two dimensions, of blocks that hold experts, are
+    read (one ``get_tensor`` each). ``num_experts`` (default: from
     ``config.json``, else the most common row count) filters out look-alike 2-D
-    tensors of other shapes. Layers come back in checkpoint order of layer number.
+    tensors of other shapes; with ``extra_rows`` (a router logit per shared expert after
+    the routed experts', Inkling), routers of ``num_experts + extra_rows`` rows are read
+    whole. Layers come back in checkpoint order of layer number.
     """
     checkpoint = Path(checkpoint)
     files = _checkpoint_files(checkpoint)
     if num_experts is None:
         num_experts = read_checkpoint_config(checkpoint)["num_experts"]
     found: dict[str, tuple[Path, str, list[int]]] = {}
+    stacked: set[str] = set()  # 3-D tensors: stacked experts under another name (Granite)
+    names: list[str] = []
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
+                    names.append(name)
                     m = ROUTER_NAME_RE.match(name)
-                    if m is None:
-                        continue
                     shape = list(f.get_slice(name).get_shape())
-                    if len(shape) == 2:
+                    if len(shape) == 3:
+                        stacked.add(f"{name}:{shape[0]}")
+                    if m is not None and len(shape) == 2:
                         found[m.group("layer")] = (file, name, shape)
         except ScoresError:
             raise
         except Exception as exc:
             raise ScoresError(f"cannot read safetensors shard {file}: {exc}") from exc
+    found = {
+        layer: v for layer, v in found.items() if _owns_experts(layer, v[2][0], names, stacked)
+    }
     if not found:
         raise ScoresError(
             f"{checkpoint}: no router tensors (<block>.gate.weight / <block>.router.weight, "
@@ -273,6 +295,8 @@ def read_router_weights(
         rows = [shape[0] for _, _, shape in found.values()]
         num_experts = max(set(rows), key=rows.count)
     layers = {k: v for k, v in found.items() if v[2][0] == num_experts}
+    if not layers and extra_rows:
+        layers = {k: v for k, v in found.items() if v[2][0] == num_experts + extra_rows}
     if not layers:
         raise ScoresError(
             f"{checkpoint}: no router tensor has {num_experts} rows (found shapes "
@@ -297,7 +321,18 @@ def scores_from_weights(checkpoint: str | os.PathLike, method: str, seed: int = 
             f"unknown baseline {method!r}; choose one of {', '.join(BASELINE_METHODS)}"
         )
     config = read_checkpoint_config(checkpoint)
-    weights = read_router_weights(checkpoint, config["num_experts"])
-    meta = {k: v for k, v in config.items() if k != "num_experts" and v is not None}
+    E, shared = config["num_experts"], config["n_shared_experts"] or 0
+    weights = read_router_weights(checkpoint, E, extra_rows=shared)
+    meta = {
+        k: v
+        for k, v in config.items()
+        if k not in ("num_experts", "n_shared_experts") and v is not None
+    }
     meta["source_checkpoint"] = str(Path(checkpoint).resolve())
+    if E is not None and any(w.shape[0] != E for w in weights.values()):
+        # rows after the routed experts' are not experts: scored without them, the
+        # fingerprints (of the whole router, as the modifier hashes it) with them
+        meta["router_fingerprint"] = router_fingerprint(weights)
+        meta["model_fingerprint"] = model_fingerprint(weights)
+        weights = {layer: w[:E] for layer, w in weights.items()}
     return baseline_scores(method, weights, seed=seed, metadata=meta)
