@@ -21,7 +21,7 @@ MODEL = REPO / "models" / "tiny-k3-bilingual"
 SLICE = MODEL.parent / f"{MODEL.name}.eval_slice.safetensors"  # beside the folder, not in it
 
 #: mean held-out loss increase (nats) when every routed expert's output is removed
-MIN_ROUTED_GAIN = 0.05
+MIN_ROUTED_GAIN = 1.0  # nats per token, mean over languages, on the committed slice
 
 pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason=f"{MODEL} not present")
 
@@ -172,7 +172,12 @@ def test_routed_experts_carry_real_weight(model):
     assert sum(gain.values()) / len(gain) > MIN_ROUTED_GAIN, gain
     assert all(half[k] > base[k] for k in base), (half, base)
     ev = card()["eval"]
-    assert all(ev["loss_routed_experts_off"][k] > ev["loss"][k] for k in ev["loss"])
+    # the card's held-out figures: every routed expert removed costs >= 1 nat per token in every
+    # language, a seeded random half >= 0.15 nats (the test-bed's targets)
+    assert all(ev["loss_routed_experts_off"][k] - ev["loss"][k] >= 1.0 for k in ev["loss"])
+    assert all(
+        ev["loss_random_half_experts_dropped"][k] - ev["loss"][k] >= 0.15 for k in ev["loss"]
+    )
 
 
 needs_data = pytest.mark.skipif(
