@@ -213,3 +213,27 @@ def test_held_out_loss_and_specialisation_match_the_card(model, tokenizer):
         assert abs(spec[layer] - n) <= 2, (layer, spec[layer], n)
     # the measured figure the card advertises: experts do specialise by language
     assert min(c["specialisation"]["zh_over_en"].values()) >= 1
+
+
+def test_offline_prune_of_the_bundled_checkpoint(tmp_path):
+    """Its latent width equals its expert count (64): the latent projections
+    (``routed_expert_up_proj`` ``[128, 64]``) are not per-expert tensors, and the rewrite goes
+    through and verifies against the source."""
+    from reap_modifier.checkpoint import rewrite_checkpoint
+    from reap_modifier.checkpoint.verify import verify_checkpoint
+    from reap_modifier.scores.plan import PruningPlan
+
+    tc = json.loads((MODEL / "config.json").read_text())["text_config"]
+    E = tc["num_experts"]
+    assert tc["routed_expert_hidden_size"] == E  # the coincidence this test is about
+    kept = {
+        f"language_model.model.layers.{i}.block_sparse_moe": list(range(0, E, 2))
+        for i in range(tc["first_k_dense_replace"], tc["num_hidden_layers"])
+    }
+    dst = rewrite_checkpoint(
+        MODEL, PruningPlan(kept=kept, num_experts=E), tmp_path / "half", progress=False
+    )
+    report = verify_checkpoint(dst, source=MODEL)
+    assert report.ok, report.summary()
+    cfg = json.loads((dst / "config.json").read_text())
+    assert cfg["text_config"]["num_experts"] == E // 2

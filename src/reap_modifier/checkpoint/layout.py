@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..models.config_keys import COUNT_KEYS, N_GROUP_KEYS, TOP_K_KEYS, TOPK_GROUP_KEYS
-from ..models.expert_tensors import cut_dim, left_behind
+from ..models.expert_tensors import cut_dim, left_behind, per_expert_vector
 from .errors import CheckpointError
 from .safetensors_header import _ST_DTYPE_BYTES, ShardHeader, TensorEntry, read_safetensors_header
 
@@ -361,9 +361,20 @@ def _classify_block(
             {"experts": block.fused, "router": block.router, "block": block.vectors}[scope].append(
                 name
             )
-        elif left_behind(entry.shape, E, scope):
+        elif _left_behind(entry.shape, E, scope, rel):
             block.uncut.append(name)
     return block
+
+
+def _left_behind(shape, count: int, scope: str, rel: str) -> bool:
+    """:func:`left_behind`, except for a tensor of a submodule of the block (``rel`` has a
+    dot) that is neither experts, router nor shared expert: only a per-expert vector there
+    is per expert (ERNIE's ``moe_statics``); a matrix whose width happens to equal the
+    expert count (Kimi K3's latent ``routed_expert_up_proj`` ``[hidden, latent]`` with
+    latent = E) is not. The modifier's in-memory check sees only the block's own tensors."""
+    if scope == "block" and "." in rel:
+        return per_expert_vector(shape, count)
+    return left_behind(shape, count, scope)
 
 
 def scan_moe_blocks(
@@ -454,7 +465,7 @@ def left_behind_in(
     for name, scope in sorted(block.scopes.items()):
         if scope in ("per_expert", "shared") or name in block.tables or name not in shapes:
             continue
-        if left_behind(shapes[name], old_count, scope):
+        if _left_behind(shapes[name], old_count, scope, name[len(block.prefix) + 1 :]):
             out.append(
                 f"{name}: shape {list(shapes[name])} still has {old_count} experts ({scope} tensor)"
             )
