@@ -91,7 +91,7 @@ class DemoConfig:
     prompt_tokens: int = 16
     gen_tokens: int = 48
     seed: int = 0
-    threads: int = 1
+    threads: int = 2  # the 2-core machine the job is sized for
     #: compute dtype of calibration, evaluation and generation. The weights are bf16 / MXFP4 values,
     #: exact in float32; float32 is the default because torch's CPU bf16 matmul has no fast kernel
     #: without AVX-512 BF16 / AMX (75x slower than float32 on an AVX2 EPYC), and float32 results do

@@ -771,7 +771,7 @@ def _paired(quality: dict, paired_difference) -> list[dict]:
         ]
         rows = [(f"{a}{sfx}", f"{b}{sfx}", m) for a, b, m in pairs] + rows
         for a, b, metrics in rows:
-            if a not in quality or b not in quality:
+            if a not in quality or b not in quality or (a, b) in {(r["a"], r["b"]) for r in out}:
                 continue
             row = {"a": a, "b": b}
             for lang in LANGS:
