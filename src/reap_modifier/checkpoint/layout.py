@@ -352,6 +352,8 @@ def _classify_block(
             continue
         if scope == "block" and "." in rel and rel.split(".", 1)[0] in fused_3d_subs:
             scope = block.scopes[name] = "experts"  # stacked experts under another name
+        elif _submodule_weight(scope, rel):
+            continue
         if name == block.router_weight and block.extra_rows:
             dim = 0
         else:
@@ -366,12 +368,25 @@ def _classify_block(
     return block
 
 
+def _submodule_weight(scope: str, rel: str) -> bool:
+    """A ``weight`` of a submodule of the block that is neither experts, router nor
+    shared expert: that module's own parameter (a norm's scale, a projection), never one
+    entry per expert, whatever its size. Where the MoE block on disk is the decoder layer
+    itself (Gemma 4, DiffusionGemma: ``layers.N.experts`` / ``layers.N.router``), its
+    attention's ``q_norm.weight`` is ``[head_dim]``, and ``head_dim`` may equal the expert
+    count; per-expert routing vectors of a submodule are biases and statistics (ERNIE's
+    ``moe_statics.e_score_correction_bias``)."""
+    return scope == "block" and "." in rel and rel.rsplit(".", 1)[1] == "weight"
+
+
 def _left_behind(shape, count: int, scope: str, rel: str) -> bool:
     """:func:`left_behind`, except for a tensor of a submodule of the block (``rel`` has a
     dot) that is neither experts, router nor shared expert: only a per-expert vector there
     is per expert (ERNIE's ``moe_statics``); a matrix whose width happens to equal the
     expert count (Kimi K3's latent ``routed_expert_up_proj`` ``[hidden, latent]`` with
     latent = E) is not. The modifier's in-memory check sees only the block's own tensors."""
+    if _submodule_weight(scope, rel):
+        return False
     if scope == "block" and "." in rel:
         return per_expert_vector(shape, count)
     return left_behind(shape, count, scope)

@@ -26,6 +26,7 @@ from .config_keys import (
     group_limit,
     text_config,
 )
+from .unrecognised import explain_unrecognised
 
 __all__ = [
     "MoEArchitecture",
@@ -166,6 +167,9 @@ def find_moe_architecture(model: nn.Module, ignore: list[str] | None = None) -> 
         found.append(MoELayer(name=name, block=module, router_attr=kind[0], kind=kind[1]))
 
     if not found and not ignored:
+        reason = explain_unrecognised(model)
+        if reason is not None:
+            raise UnsupportedMoEError(reason)
         raise NoMoEError(
             f"{type(model).__name__} has no MoE layer REAP can prune (looked for blocks "
             f"with an `experts` module and a `gate`/`router` holding a weight). "
