@@ -26,7 +26,7 @@ from .config_keys import (
     group_limit,
     text_config,
 )
-from .unrecognised import explain_unrecognised
+from .unrecognised import UnmatchedBlock, explain_unrecognised
 
 __all__ = [
     "MoEArchitecture",
@@ -117,20 +117,16 @@ def router_weight_of(router: nn.Module) -> torch.Tensor | None:
     return linears[0].weight if len(linears) == 1 else None
 
 
-def _classify(module: nn.Module) -> tuple[str, str] | None:
+def _block_parts(module: nn.Module) -> tuple[nn.Module, str] | None:
+    """``(experts, router attribute)`` when ``module`` holds an ``experts`` module beside
+    a ``gate`` / ``router`` module (a MoE block, recognised or not), else ``None``."""
     experts = getattr(module, EXPERTS_ATTR, None)
     if experts is None or not isinstance(experts, nn.Module):
         return None
     router_attr = next(
         (a for a in ROUTER_ATTRS if isinstance(getattr(module, a, None), nn.Module)), None
     )
-    if router_attr is None:
-        return None
-    router = getattr(module, router_attr)
-    if router_weight_of(router) is None:
-        return None
-    adapter = adapter_for(module, experts, router)
-    return (router_attr, adapter.kind) if adapter is not None else None
+    return (experts, router_attr) if router_attr is not None else None
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -157,17 +153,25 @@ def find_moe_architecture(model: nn.Module, ignore: list[str] | None = None) -> 
 
     found: list[MoELayer] = []
     ignored: list[str] = []
+    unmatched: list[UnmatchedBlock] = []
     for name, module in model.named_modules():
-        kind = _classify(module)
-        if kind is None:
+        parts = _block_parts(module)
+        if parts is None:
+            continue
+        experts, router_attr = parts
+        router = getattr(module, router_attr)
+        logits_weight = router_weight_of(router) is not None
+        adapter = adapter_for(module, experts, router) if logits_weight else None
+        if adapter is None:
+            unmatched.append(UnmatchedBlock(name, experts, router, logits_weight))
             continue
         if any(_matches(p, name) for p in ignore):
             ignored.append(name)
             continue
-        found.append(MoELayer(name=name, block=module, router_attr=kind[0], kind=kind[1]))
+        found.append(MoELayer(name=name, block=module, router_attr=router_attr, kind=adapter.kind))
 
     if not found and not ignored:
-        reason = explain_unrecognised(model)
+        reason = explain_unrecognised(model, unmatched)
         if reason is not None:
             raise UnsupportedMoEError(reason)
         raise NoMoEError(

@@ -9,12 +9,25 @@ count is simply dense and gets no explanation here.
 from __future__ import annotations
 
 import inspect
+from typing import NamedTuple
 
 from torch import nn
 
-from .config_keys import COUNT_KEYS, EXPERTS_ATTR, ROUTER_ATTRS, text_config
+from .config_keys import COUNT_KEYS, text_config
 
-__all__ = ["expert_count", "explain_unrecognised"]
+__all__ = ["UnmatchedBlock", "expert_count", "explain_unrecognised"]
+
+
+class UnmatchedBlock(NamedTuple):
+    """A block with an ``experts`` module beside a ``gate`` / ``router`` that discovery
+    did not recognise (found by :func:`~.architecture.find_moe_architecture`)."""
+
+    name: str
+    experts: nn.Module
+    router: nn.Module
+    #: whether the router has one ``[E, hidden]`` logits weight
+    logits_weight: bool
+
 
 _UNSUPPORTED = "Not supported in this version: no workaround (docs/families.md)."
 
@@ -23,17 +36,13 @@ def expert_count(config) -> tuple[str, int] | None:
     """The config's routed-expert count key and value, looked up in the (text) config
     and in its sub-configs (DBRX keeps ``moe_num_experts`` in ``ffn_config``)."""
     cfg = text_config(config)
-    for holder in [cfg] + [v for v in vars(cfg).values() if hasattr(v, "to_dict")]:
+    subs = [(f"{k}.", v) for k, v in vars(cfg).items() if hasattr(v, "to_dict")]
+    for prefix, holder in [("", cfg), *subs]:
         for key in COUNT_KEYS:
             value = getattr(holder, key, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-                prefix = "" if holder is cfg else f"{_attr_of(cfg, holder)}."
                 return prefix + key, value
     return None
-
-
-def _attr_of(parent, child) -> str:
-    return next((k for k, v in vars(parent).items() if v is child), "?")
 
 
 def _positional(module: nn.Module) -> list[str]:
@@ -113,9 +122,12 @@ def _top_block(name: str) -> str:
     return parts[0]
 
 
-def explain_unrecognised(model: nn.Module) -> str | None:
+def explain_unrecognised(model: nn.Module, unmatched: list[UnmatchedBlock]) -> str | None:
     """The reason this model's experts cannot be pruned, or ``None`` when nothing in it
-    is sized by an expert count (a dense model)."""
+    is sized by an expert count (a dense model).
+
+    :param unmatched: the blocks discovery found but no adapter recognised, in model order
+    """
     config = getattr(model, "config", None)
     counted = expert_count(config) if config is not None else None
     if counted is None:
@@ -123,21 +135,11 @@ def explain_unrecognised(model: nn.Module) -> str | None:
     key, count = counted
     family = f"{getattr(config, 'model_type', '?')} ({type(model).__name__}, {key}={count})"
 
-    for name, module in model.named_modules():
-        experts = getattr(module, EXPERTS_ATTR, None)
-        router = next(
-            (
-                getattr(module, a)
-                for a in ROUTER_ATTRS
-                if isinstance(getattr(module, a, None), nn.Module)
-            ),
-            None,
-        )
-        if isinstance(experts, nn.Module) and router is not None:
-            linears = _linears(router)
-            if getattr(router, "weight", None) is None and len(linears) != 1:
-                return _router_network(family, name, router, count)
-            return _experts_layout(family, name, experts, count)
+    if unmatched:
+        block = unmatched[0]
+        if not block.logits_weight:
+            return _router_network(family, block.name, block.router, count)
+        return _experts_layout(family, block.name, block.experts, count)
 
     sized = _sized_by_count(model, count)
     if not sized:
