@@ -370,13 +370,14 @@ def _router_fit(results: dict) -> list[str]:
         a, b, fit = p["a"], p["b"], pr[p["b"]]["router_fit"]
         for lang in LANGS:
             ka, kb = q[a][lang]["kl"], q[b][lang]["kl"]
-            if ka and kb / ka - 1 <= -FIT_TARGET:
+            change = kb / ka - 1 if ka else float("nan")
+            if change <= -FIT_TARGET:
                 met += 1
             else:
                 missed.append(f"{_label(results, a)} {lang}")
             lines.append(
                 f"| {_label(results, a)} | {fit['tokens']:,} | {lang} | {_f(ka, 4)} | {_f(kb, 4)} |"
-                f" {100 * (kb / ka - 1) if ka else float('nan'):+.1f}% |"
+                f" {100 * change:+.1f}% |"
                 f" {p['kl'][lang]['mean']:+.4f} +- {_f(p['kl'][lang]['se'], 4)} |"
                 f" {p[lang]['mean']:+.4f} +- {_f(p[lang]['se'], 4)} |"
             )
