@@ -33,9 +33,9 @@ import types
 from pathlib import Path
 
 import torch
-from window_metrics import per_window_metrics
+from window_metrics import held_out_windows, per_window_metrics
 
-LANGS = ("en", "zh", "code")
+from reap_modifier.demo.config import LANGS
 
 
 def _blocks(model) -> list:
@@ -119,7 +119,6 @@ def _patch_oracle(pruned_block, unpruned_block, mode: str) -> None:
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from reap_modifier.demo import data as D
     from reap_modifier.demo.config import DEFAULT_MODEL
     from reap_modifier.demo.workspace import load_model
     from reap_modifier.evaluation import paired_difference
@@ -136,12 +135,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    windows = {
-        lang: D.eval_windows(
-            D.load_split(args.data_dir, lang, "eval"), tokenizer, args.eval_windows, args.seq_len
-        )
-        for lang in LANGS
-    }
+    windows = held_out_windows(tokenizer, args.eval_windows, args.seq_len, args.data_dir)
     pruned_dir = Path(args.demo_out) / "pruned"
 
     def load(path):

@@ -20,9 +20,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from window_metrics import per_window_metrics
+from window_metrics import held_out_windows, per_window_metrics
 
-LANGS = ("en", "zh", "code")
+from reap_modifier.demo.config import LANGS
 
 
 def main() -> None:
@@ -48,9 +48,7 @@ def main() -> None:
     calib = {lang: D.load_split(None, lang, "calib") for lang in LANGS}
     dataset = D.calibration_dataset(calib, tokenizer, args.tokens_per_lang, 256)
     rows = [torch.tensor(r) for r in dataset["input_ids"]]
-    windows = {
-        lang: D.eval_windows(D.load_split(None, lang, "eval"), tokenizer, 64, 256) for lang in LANGS
-    }
+    windows = held_out_windows(tokenizer, 64, 256)
 
     def load(path):
         return load_model(path, packed=False, dtype="float32")

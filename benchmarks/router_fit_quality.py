@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 import torch
-from window_metrics import per_window_metrics
+from window_metrics import held_out_windows, per_window_metrics
 
-LANGS = ("en", "zh", "code")
+from reap_modifier.demo.config import LANGS
 
 
 def _oneshot(model, modifier, tokenizer, dataset=None):
@@ -66,12 +66,7 @@ def main() -> None:
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     calib = {lang: D.load_split(args.data_dir, lang, "calib") for lang in LANGS}
-    windows = {
-        lang: D.eval_windows(
-            D.load_split(args.data_dir, lang, "eval"), tokenizer, args.eval_windows, args.seq_len
-        )
-        for lang in LANGS
-    }
+    windows = held_out_windows(tokenizer, args.eval_windows, args.seq_len, args.data_dir)
 
     def fresh():
         return load_model(args.model, packed=False, dtype="float32")

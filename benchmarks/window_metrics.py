@@ -1,6 +1,7 @@
 """Per-window NLL and KL of several models against a reference, for the quality benchmarks
-(``propagate_pruned_quality.py``, ``router_fit_quality.py``): their one call site into
-:mod:`reap_modifier.evaluation`, whose :func:`token_metrics` computes the sums."""
+(``propagate_pruned_quality.py``, ``router_fit_*.py``): their one call site into
+:mod:`reap_modifier.evaluation`, whose :func:`token_metrics` computes the sums, and the
+main job's held-out windows they are judged on."""
 
 from __future__ import annotations
 
@@ -8,7 +9,19 @@ import torch
 
 from reap_modifier.evaluation import token_metrics
 
-__all__ = ["per_window_metrics"]
+__all__ = ["held_out_windows", "per_window_metrics"]
+
+
+def held_out_windows(tokenizer, n_windows: int, seq_len: int, data_dir=None) -> dict:
+    """``lang -> [n_windows, seq_len]`` token ids from the main job's held-out ``eval``
+    split of every language (never used for calibration or fitting)."""
+    from reap_modifier.demo import data as D
+    from reap_modifier.demo.config import LANGS
+
+    return {
+        lang: D.eval_windows(D.load_split(data_dir, lang, "eval"), tokenizer, n_windows, seq_len)
+        for lang in LANGS
+    }
 
 
 def per_window_metrics(models: dict, windows: torch.Tensor, reference: str, chunk: int) -> dict:
