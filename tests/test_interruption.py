@@ -89,17 +89,17 @@ class Run:
             args, stdout=self._log, stderr=subprocess.STDOUT, env=_env(pause, self.marker)
         )
 
-    def wait_paused(self, timeout: float = 120) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.marker.exists() and self.marker.read_text().endswith("\n"):
+    def wait_paused(self) -> str:
+        """The pause point the run stopped at.  No deadline: a paused run waits for the
+        test however long it takes to get there (pytest-timeout bounds a hang)."""
+        while True:
+            if self.marker.exists():
                 return self.marker.read_text().split()[1]
             if self.proc.poll() is not None:
                 raise AssertionError(
                     f"reap prune exited ({self.proc.returncode}) before pausing:\n{self.output()}"
                 )
             time.sleep(0.02)
-        raise AssertionError(f"reap prune did not reach its pause point:\n{self.output()}")
 
     def resume(self) -> None:
         Path(str(self.marker) + ".go").write_text("")
@@ -108,9 +108,9 @@ class Run:
         self.proc.send_signal(sig)
         return self.finish()
 
-    def finish(self, timeout: float = 120) -> int:
+    def finish(self) -> int:
         try:
-            rc = self.proc.wait(timeout)
+            rc = self.proc.wait()
         finally:
             self._log.close()
         return rc
