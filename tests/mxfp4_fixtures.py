@@ -493,9 +493,7 @@ def _reload_main(cases_file: str) -> None:
     print("RELOAD-RESULTS " + json.dumps(results))
 
 
-def reload_check(
-    cases: list[dict], tmp_dir: str | os.PathLike, timeout: int = 300
-) -> dict[str, dict]:
+def reload_check(cases: list[dict], tmp_dir: str | os.PathLike) -> dict[str, dict]:
     """Reload each ``{"family", "src", "dst", "block_kept", "name"}`` case in ONE fresh
     Python process; returns name -> result (max_abs_diff vs the masked oracle, ...)."""
     cases_file = Path(tmp_dir) / "reload_cases.json"
@@ -508,7 +506,6 @@ def reload_check(
         [sys.executable, str(Path(__file__).resolve()), "reload-check", str(cases_file)],
         capture_output=True,
         text=True,
-        timeout=timeout,
         env=env,
     )
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RELOAD-RESULTS ")), None)

@@ -33,7 +33,6 @@ def test_version_from_the_installed_entry_point():
         [sys.executable, "-m", "reap_modifier.cli", "--version"],
         capture_output=True,
         text=True,
-        timeout=120,
         env=dict(os.environ),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -98,9 +98,7 @@ def test_reap_only_oneshot_writes_bit_exact_mxfp4(k3_mxfp4, tokenizer, load):
             torch.save(m(input_ids=torch.tensor({ids.tolist()}), use_cache=False).logits, {str(root / (load + ".pt"))!r})
         print(m.config.text_config.num_experts)
     """)
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
-    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == str(plan.num_kept)
     source = reload_class("kimi_k3").from_pretrained(src).eval()

@@ -217,7 +217,6 @@ def demo_run(tmp_path_factory):
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
     )
     elapsed = time.time() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -576,7 +575,6 @@ def test_summary_tables_for_the_readme(demo_run):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     q = res["eval"]["quality"]

@@ -40,7 +40,7 @@ def _run(out: Path, torchrun: bool) -> None:
         ]
     else:
         cmd = [sys.executable, str(WORKER), str(out)]
-    proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
