@@ -15,6 +15,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("REAP_SHA256_CACHE", "0")  # tests never write the user's hash cache
 torch.set_num_threads(1)
 
+# Property tests judge behaviour, never speed: no per-example deadline (a loaded machine runs an
+# example many times slower), and the same examples on every run (CI cannot fail by the draw).
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("reap", deadline=None, derandomize=True, print_blob=True)
+settings.load_profile("reap")
+
 
 def make_tokenizer(vocab: int = 128):
     """A word-level tokenizer over tokens ``t0..t{vocab-1}`` (oneshot needs a processor)."""
