@@ -23,6 +23,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from . import compat, registries
 from .calibration import distributed
 from .calibration.block_io import BlockIOCapture
+from .calibration.checkpointing import CalibrationCheckpoint, calibration_identity
 from .calibration.decompress_hook import decompress_loaded_model
 from .calibration.observer import SaliencyObserver
 from .calibration.packed import (
@@ -31,6 +32,7 @@ from .calibration.packed import (
     check_module_formats,
     compressed_modules,
 )
+from .calibration.progress import LayerProgress
 from .calibration.routed_only import calibrate_all_experts, set_calibrate_all_experts
 from .checkpoint.compressed_save import compressed_source, route_save_through_rewriter
 from .checkpoint.manifest import build_manifest, tool_versions
@@ -104,6 +106,10 @@ class REAPPruningModifier(Modifier):
         first ones seen; each layer holds its inputs and outputs on them in memory)
     :param router_fit_steps: optimizer steps per layer
     :param router_fit_lr: step size, relative to the root-mean-square router weight
+    :param checkpoint_dir: make a sequential calibration resumable: each layer's
+        statistics and the next layer's inputs are saved there as its epoch ends, and a
+        rerun with the same model, recipe, data and world size resumes after the last
+        complete layer (anything else is refused); see ``docs/distributed.md``
 
     The calibration-free baselines ``router_l1`` (compressed-tensors'
     MagnitudeExpertPruner criterion), ``router_signed_sum`` and ``random`` rank experts
@@ -139,6 +145,7 @@ class REAPPruningModifier(Modifier):
     router_fit_tokens: int = Field(default=4096, ge=2)
     router_fit_steps: int = Field(default=100, ge=0)
     router_fit_lr: float = Field(default=0.03, gt=0)
+    checkpoint_dir: str | None = None
 
     _arch: MoEArchitecture | None = PrivateAttr(default=None)
     _keep: KeepCount | None = PrivateAttr(default=None)
@@ -155,6 +162,8 @@ class REAPPruningModifier(Modifier):
     _deferred_plan: PruningPlan | None = PrivateAttr(default=None)
     _router_fit: dict | None = PrivateAttr(default=None)
     _fitted_tensors: dict | None = PrivateAttr(default=None)
+    _checkpoint: CalibrationCheckpoint | None = PrivateAttr(default=None)
+    _progress: LayerProgress | None = PrivateAttr(default=None)
     #: the model whose sequential trace must reach every MoE block (a weak reference)
     _traced_model: object | None = PrivateAttr(default=None)
 
@@ -238,6 +247,18 @@ class REAPPruningModifier(Modifier):
                 "calibrate_router fits each router against the unpruned block, which "
                 "propagate_pruned never sees after the first layer; use one of the two"
             )
+        if self.checkpoint_dir is not None:
+            clash = (
+                "nothing is calibrated (scores_in, plan_in or a weight baseline)"
+                if not self.calibrates
+                else "propagate_pruned cuts layers during calibration"
+                if self.propagate_pruned
+                else "calibrate_router holds every layer's inputs in memory"
+                if self.calibrate_router
+                else None
+            )
+            if clash:
+                raise ValueError(f"checkpoint_dir cannot resume this run: {clash}; remove one")
         self.requires_calibration_data = self.calibrates or self.calibrate_router
         return self
 
@@ -298,6 +319,9 @@ class REAPPruningModifier(Modifier):
             self._cut_from_weights(state.model)
         else:
             self._observer = SaliencyObserver(arch, self.register_hook, model=state.model)
+            if self.checkpoint_dir is not None:
+                self._open_checkpoint(state.model)
+            self._progress = LayerProgress(self._cpu_group, self._checkpoint)
             self._check_trace_of(state.model)
             if self.propagate_pruned:
                 # the routers change during calibration: fingerprint the unpruned model
@@ -320,6 +344,26 @@ class REAPPruningModifier(Modifier):
         if ref is None or ref() is not model:  # another oneshot's model
             return
         check_traced(model, self._arch, subgraphs, error)
+        if self._progress is not None and subgraphs:
+            self._progress.total = len(subgraphs)
+
+    def _open_checkpoint(self, model: torch.nn.Module) -> None:
+        """``checkpoint_dir``: refuse another model, recipe or world size now; the
+        sequential pipeline reports to it (resume and saves: calibration/checkpointing.py)."""
+        others = self._other_modifiers()
+        if others:
+            raise ValueError(
+                f"checkpoint_dir resumes REAP's statistics only, but the recipe also runs "
+                f"{', '.join(others)}; run REAP in a recipe of its own or remove checkpoint_dir"
+            )
+        recipe = {k: getattr(self, k) for k in ("ignore", "calibration_source", "dequantize")}
+        identity = calibration_identity(
+            model, self._arch, self._fingerprint(), recipe, distributed.world_size()
+        )
+        self._checkpoint = CalibrationCheckpoint(
+            self.checkpoint_dir, identity, self._observer.accumulators, self._cpu_group
+        )
+        registries.set_sequential_checkpoint(model, self._checkpoint)
 
     def _prepare_weights(self, model: torch.nn.Module) -> None:
         """Compressed-tensors experts: keep them packed (calibration dequantizes one
@@ -406,7 +450,10 @@ class REAPPruningModifier(Modifier):
     def on_sequential_epoch_end(self, state: State, event: Event, **kwargs) -> None:
         """``propagate_pruned``: cut the layers calibrated in this epoch (those among
         ``kwargs["modules"]``, else those that observed a forward); otherwise nothing:
-        every layer is cut at calibration end. ``modules`` may be absent, as upstream."""
+        every layer is cut at calibration end. ``modules`` may be absent, as upstream.
+        Each epoch's progress is reported (tokens/s, ETA)."""
+        if self._progress is not None:
+            self._progress.layer_done()
         if self._layerwise is not None and self._plan is None:
             self._observer.reset_pending()
             self._layerwise.cut(state.model, self._layerwise.pending(kwargs.get("modules")))
@@ -417,6 +464,9 @@ class REAPPruningModifier(Modifier):
         if self._observer is not None:
             self._observer.detach()
         self._release_packed()
+        if self._checkpoint is not None:
+            registries.clear_sequential_checkpoint(self._checkpoint)
+            self._checkpoint.complete()  # the last layer's statistics, before any decision
         if self._plan is None and self._observer is not None:
             self._decide_and_prune(state.model)
         self._fit_routers(state.model)
@@ -426,6 +476,10 @@ class REAPPruningModifier(Modifier):
         # context has put the flag back, and writing it now would leave it set for the process
         self._restore_calibrate_all = None
         registries.remove_traced_subgraphs_listener(self._on_traced)
+        if self._checkpoint is not None:
+            registries.clear_sequential_checkpoint(self._checkpoint)
+        if self._progress is not None:
+            self._progress.close()
         self.remove_hooks()
         if self._observer is not None:
             self._observer.detach()

@@ -8,8 +8,10 @@ model); the patches in ``compat`` find them here. This module imports nothing of
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 __all__ = [
     "PackedLoadRule",
@@ -18,12 +20,16 @@ __all__ = [
     "add_traced_subgraphs_listener",
     "add_saved_config_fixup",
     "calibration_batch_listeners",
+    "clear_sequential_checkpoint",
     "packed_load_rule",
     "remove_calibration_batch_listener",
     "remove_traced_subgraphs_listener",
     "run_save_fixups",
     "saved_config_fixups",
+    "SequentialCheckpoint",
+    "sequential_checkpoint",
     "set_packed_load_rule",
+    "set_sequential_checkpoint",
     "traced_subgraphs_listeners",
 ]
 
@@ -70,6 +76,56 @@ def remove_traced_subgraphs_listener(listener: TraceListener) -> None:
 
 def traced_subgraphs_listeners() -> list[TraceListener]:
     return list(_TRACE_LISTENERS)
+
+
+# -- the sequential pipeline, resumable -----------------------------------------------
+
+
+class SequentialCheckpoint(Protocol):
+    """What the sequential pipeline asks of a resumable calibration (one per run).
+
+    Subgraph indices are 0-based, in the pipeline's order; the pipeline calls, in order:
+    ``traced`` once, ``restore`` once, then per subgraph ``skips`` and, for a subgraph
+    it runs, ``starting`` before its first forward and ``forwarded`` after each.
+    """
+
+    def traced(self, count: int) -> None:
+        """The pipeline traced ``count`` subgraphs (raise when a resumed run's differ)."""
+
+    def restore(self, cache: object, batches: list[dict]) -> None:
+        """The activations cache is built from ``batches`` (``input_ids`` /
+        ``attention_mask`` per batch): check the data, and when resuming replace the
+        cache's contents with the saved inputs of the first subgraph still to run."""
+
+    def skips(self, index: int) -> bool:
+        """Whether subgraph ``index`` was completed by an earlier run (it does nothing)."""
+
+    def starting(self, index: int) -> None:
+        """Subgraph ``index`` is about to run its first forward; the cache holds its
+        inputs (everything the subgraphs from ``index`` on need)."""
+
+    def forwarded(self, index: int, calls: int) -> None:
+        """Subgraph ``index`` ran its ``calls``-th forward."""
+
+
+_SEQUENTIAL_CHECKPOINT: list[tuple[weakref.ref, SequentialCheckpoint]] = []
+
+
+def set_sequential_checkpoint(model: object, checkpoint: SequentialCheckpoint) -> None:
+    """The checkpoint the next sequential calibration of ``model`` reports to."""
+    _SEQUENTIAL_CHECKPOINT[:] = [(weakref.ref(model), checkpoint)]
+
+
+def clear_sequential_checkpoint(checkpoint: SequentialCheckpoint) -> None:
+    if _SEQUENTIAL_CHECKPOINT and _SEQUENTIAL_CHECKPOINT[0][1] is checkpoint:
+        _SEQUENTIAL_CHECKPOINT.clear()
+
+
+def sequential_checkpoint(model: object) -> SequentialCheckpoint | None:
+    """The checkpoint registered for ``model`` (none for any other model)."""
+    if _SEQUENTIAL_CHECKPOINT and _SEQUENTIAL_CHECKPOINT[0][0]() is model:
+        return _SEQUENTIAL_CHECKPOINT[0][1]
+    return None
 
 
 # -- ``oneshot(model=<path>)`` loading a REAP-only recipe's model packed ----------------

@@ -1,17 +1,26 @@
 """The sequential pipeline: the calibration batches handed to the observer (so padding
-can be left out), and the traced config that keeps the attention mask."""
+can be left out), the traced config that keeps the attention mask, and a calibration
+that resumes after the last completed subgraph."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..registries import calibration_batch_listeners, traced_subgraphs_listeners
+from ..registries import (
+    calibration_batch_listeners,
+    sequential_checkpoint,
+    traced_subgraphs_listeners,
+)
 
 __all__ = [
     "patch_calibration_cache",
     "patch_traced_config_attention",
     "rebuild_traced_config",
 ]
+
+
+#: the checkpoint of the pipeline run between its trace and its cache (at most one)
+_ACTIVE: list = []
 
 
 class _RecordingLoader:
@@ -38,7 +47,9 @@ def patch_calibration_cache() -> None:
     0.14.0.1's sequential pipeline, so an observer cannot tell padding from tokens (details:
     ``docs/upstream-gaps.md``). The batches ``IntermediatesCache.from_dataloader`` caches are
     handed, ``input_ids`` / ``attention_mask`` only, to the listeners registered in
-    :mod:`reap_modifier.registries`; nothing else changes.
+    :mod:`reap_modifier.registries`, and to the registered sequential checkpoint, which may
+    replace the cache's contents with a resumed run's saved activations; nothing else
+    changes.
     """
     from llmcompressor.pipelines.cache import IntermediatesCache
 
@@ -48,12 +59,15 @@ def patch_calibration_cache() -> None:
 
     def from_dataloader(cls, dataloader, *args, **kwargs):
         listeners = calibration_batch_listeners()
-        if not listeners:
+        checkpoint = _ACTIVE.pop() if _ACTIVE else None  # this pipeline run's
+        if not listeners and checkpoint is None:
             return original(cls, dataloader, *args, **kwargs)
         recording = _RecordingLoader(dataloader)
         cache = original(cls, recording, *args, **kwargs)
         for listener in listeners:
             listener(recording.batches)
+        if checkpoint is not None:
+            checkpoint.restore(cache, recording.batches)
         return cache
 
     from_dataloader._reap_patched = True
@@ -67,8 +81,11 @@ def patch_traced_subgraphs() -> None:
     those blocks outside every subgraph, so a modifier finds out only after calibration
     that it saw nothing; and a model it cannot trace at all (MiniMax-M3-VL) fails with
     the tracer's generated code as the message. The traced subgraphs (or the error) (the modules each one runs) are handed to
-    the listeners in :mod:`reap_modifier.registries` before the first calibration batch;
-    nothing else changes.
+    the listeners in :mod:`reap_modifier.registries` before the first calibration batch.
+
+    Why (resume): the pipeline keeps its progress only in memory, so a crash at layer 80
+    of 92 loses every layer. When a sequential checkpoint is registered, each subgraph
+    is wrapped in a :class:`ResumableSubgraph`; otherwise nothing else changes.
     """
     from llmcompressor.pipelines.sequential import pipeline
 
@@ -88,10 +105,54 @@ def patch_traced_subgraphs() -> None:
             modules = [{id(m) for m in subgraph.submodules(model)} for subgraph in subgraphs]
             for listener in listeners:
                 listener(model, modules, None)
+        checkpoint = sequential_checkpoint(model)
+        _ACTIVE[:] = [checkpoint] if checkpoint is not None else []
+        if checkpoint is not None:
+            checkpoint.traced(len(subgraphs))
+            subgraphs = [
+                ResumableSubgraph(subgraph, index, checkpoint)
+                for index, subgraph in enumerate(subgraphs)
+            ]
         return subgraphs
 
     trace_subgraphs._reap_patched = True
     pipeline.trace_subgraphs = trace_subgraphs
+
+
+class ResumableSubgraph:
+    """A traced subgraph that tells the registered checkpoint when it starts and after
+    each forward, and does nothing (no inputs, no outputs, nothing consumed) when the
+    checkpoint says an earlier run completed it. Everything else is the subgraph's."""
+
+    def __init__(self, subgraph, index: int, checkpoint):
+        self._subgraph = subgraph
+        self._index = index
+        self._checkpoint = checkpoint
+        self._calls = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._subgraph, name)
+
+    @property
+    def input_names(self):
+        return set() if self._checkpoint.skips(self._index) else self._subgraph.input_names
+
+    @property
+    def consumed_names(self):
+        return set() if self._checkpoint.skips(self._index) else self._subgraph.consumed_names
+
+    def forward(self, *args, **kwargs):
+        if self._checkpoint.skips(self._index):
+            return {}
+        if self._calls == 0:
+            self._checkpoint.starting(self._index)
+        outputs = self._subgraph.forward(*args, **kwargs)
+        self._calls += 1
+        self._checkpoint.forwarded(self._index, self._calls)
+        return outputs
+
+    def submodules(self, *args, **kwargs):
+        return self._subgraph.submodules(*args, **kwargs)
 
 
 # -- the sequential pipeline's attention mask --------------------------------------------
