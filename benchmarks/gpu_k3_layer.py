@@ -16,15 +16,19 @@ states (batches of ``--seq``), timed with CUDA events, median of ``--repeats``:
   dequantization of every expert that receives tokens), with the observer;
 - ``packed/expert``: the same, one expert projection at a time.
 
-Prints tokens/s and ratios to ``plain``. ``--device cpu --small`` runs a small shape
-on CPU (to check the script anywhere).
+Prints tokens/s and ratios to ``plain``, and a roofline for ``plain``: the larger of
+the expert weight bytes the pass reads over the memory bandwidth and its FLOPs over the
+bf16 dense peak (H100 SXM / PCIe and H200 looked up by device name, or
+``--peak-tflops`` / ``--bandwidth-gbs``); on a CPU the peak cannot be known reliably, so
+only measured figures are printed. ``--small`` runs a small shape through the same code
+path (on CPU when no GPU is present).
 
 Dependencies: torch, transformers, llm-compressor 0.14.0.1, compressed-tensors 0.19.0
 and this package. ``datasets`` is not needed: if it cannot be imported (e.g. no
 ``pyarrow``), an empty stand-in is registered so llm-compressor's package imports.
 
     python benchmarks/gpu_k3_layer.py --device cuda [--tokens 4096] [--seq 512]
-    python benchmarks/gpu_k3_layer.py --device cpu --small
+    python benchmarks/gpu_k3_layer.py --small            # CPU when no GPU
 """
 
 from __future__ import annotations
@@ -170,6 +174,37 @@ class Timer:
         return time.perf_counter() - start
 
 
+#: bf16 dense tensor-core peak (TFLOP/s) and HBM bandwidth (GB/s), by device name
+PEAKS = {
+    "H200": (989.0, 4800.0),
+    "H100 PCIe": (756.0, 2000.0),
+    "H100 NVL": (835.0, 3900.0),
+    "H100": (989.0, 3350.0),  # SXM
+}
+
+
+def device_peaks(name: str) -> tuple[float, float] | None:
+    """``(TFLOP/s, GB/s)`` of a known GPU name, else None."""
+    for key, peaks in PEAKS.items():  # the most specific name first
+        if key in name:
+            return peaks
+    return None
+
+
+def roofline_seconds(shape, tokens: int, tflops: float, gbs: float) -> dict:
+    """Lower bound of one MoE layer's forward over ``tokens`` tokens (bf16): routed
+    experts (gate, up, down in the latent space), the shared expert and the latent
+    projections (hidden space), the router; bytes: every expert that can receive a
+    token read once (activations are small beside them)."""
+    h, lat, inter, e, k = shape.hidden, shape.latent, shape.inter, shape.experts, shape.top_k
+    flops = 2 * tokens * (k * 3 * lat * inter + 3 * h * inter + 2 * h * lat + h * e)
+    touched = min(e, tokens * k)
+    weight_bytes = 2 * (touched * 3 * lat * inter + 3 * h * inter + 2 * h * lat + h * e)
+    memory = weight_bytes / (gbs * 1e9)
+    compute = flops / (tflops * 1e12)
+    return {"flops": flops, "bytes": weight_bytes, "memory_s": memory, "compute_s": compute}
+
+
 def observer_on(model):
     from reap_modifier.calibration.observer import SaliencyObserver
     from reap_modifier.models import find_moe_architecture
@@ -207,7 +242,9 @@ def run_pass(block, batches):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default=None, help="default: cuda if present, else cpu")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak")
+    parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory GB/s")
     parser.add_argument("--small", action="store_true", help="a small shape (CPU check)")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=512)
@@ -220,6 +257,8 @@ def main() -> None:
     import torch
     from k3_mxfp4_synth import write_k3_mxfp4
 
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     shape = shapes(args.small)
     tmp = tempfile.TemporaryDirectory(dir=args.workdir)
@@ -293,7 +332,31 @@ def main() -> None:
     for name, ts in results.items():
         s = statistics.median(ts)
         print(f"{name:<16} {s:9.3f} {tokens / s:11.0f} {s / plain:8.2f}")
+    print_roofline(shape, tokens, plain, gpu, args)
     tmp.cleanup()
+
+
+def print_roofline(shape, tokens: int, plain: float, device_name: str, args) -> None:
+    """The roofline line: measured ``plain`` against max(bytes / bandwidth, FLOPs / peak)."""
+    known = device_peaks(device_name) if args.device.startswith("cuda") else None
+    tflops = args.peak_tflops or (known[0] if known else None)
+    gbs = args.bandwidth_gbs or (known[1] if known else None)
+    if tflops is None or gbs is None:
+        print(
+            f"roofline: the peak FLOP/s and memory bandwidth of {device_name} cannot be "
+            "known reliably (pass --peak-tflops and --bandwidth-gbs); measured only"
+        )
+        return
+    r = roofline_seconds(shape, tokens, tflops, gbs)
+    bound = max(r["memory_s"], r["compute_s"])
+    which = "memory" if r["memory_s"] >= r["compute_s"] else "compute"
+    print(
+        f"roofline ({device_name}: {tflops:.0f} TFLOP/s bf16, {gbs:.0f} GB/s): "
+        f"{r['bytes'] / 1e9:.2f} GB / bandwidth = {r['memory_s'] * 1e3:.2f} ms, "
+        f"{r['flops'] / 1e12:.2f} TFLOP / peak = {r['compute_s'] * 1e3:.2f} ms -> "
+        f"{which}-bound {bound * 1e3:.2f} ms; plain measured {plain * 1e3:.2f} ms = "
+        f"{plain / bound:.1f}x the roofline"
+    )
 
 
 if __name__ == "__main__":

@@ -93,7 +93,8 @@ def _differences(theirs, ours, prefix: str = "") -> list[str]:
             found += _differences(theirs.get(key), ours.get(key), f"{prefix}{key}.")
         return found
     if theirs != ours:
-        return [f"{prefix.rstrip('.')} {theirs!r} there, {ours!r} now"]
+        label = prefix.rstrip(".")
+        return [f"{label + ' ' if label else ''}{theirs!r} there, {ours!r} now"]
     return []
 
 
@@ -183,10 +184,11 @@ class CalibrationCheckpoint:
         else:
             digests = [digest]
         self._datasets = digests
+        if self._state is not None:
+            self._check("datasets", self._state["datasets"], digests)  # the same on every rank
         self._remove_leftovers(keep=None if self._state is None else self._state["done"])
         if self._state is None:
             return
-        self._check("datasets", self._state["datasets"], digests)  # the same on every rank
         done = int(self._state["done"])
         path = self._rank_file(done)
         if not path.is_file():

@@ -1,0 +1,295 @@
+"""Resumable calibration (``checkpoint_dir``): a run killed (SIGKILL) while a layer
+calibrates, while its checkpoint is written, or between layers, then rerun, gives the
+same statistics (bit for bit) and kept experts as a run never interrupted, and resumes
+after the last committed layer; another model, recipe, dataset or world size is refused.
+
+The kills are deterministic: the run is a forked child that stops at a named point
+(``REAP_TEST_PAUSE_AT=layer-saving:2``: it writes a marker and waits) and is killed
+there. Reruns run in the test process. The tiny Qwen3-MoE has 4 decoder layers: the
+sequential pipeline traces 5 subgraphs (layers), the last one the head.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import calibration_samples, make_dataset, make_tokenizer
+from loguru import logger
+from tiny_models import build_tiny, reload_class
+
+from reap_modifier import REAPPruningModifier
+from reap_modifier.calibration.checkpointing import CheckpointMismatch
+from reap_modifier.scores import ExpertScores
+
+FAMILY = "qwen3_moe"
+LAYERS = 5  # subgraphs: 4 decoder layers and the head
+FORK = multiprocessing.get_context("fork")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    model, info = build_tiny(FAMILY, seed=3, num_hidden_layers=4)
+    model.save_pretrained(root / "src")
+    other, _ = build_tiny(FAMILY, seed=4, num_hidden_layers=4)  # other weights
+    other.save_pretrained(root / "other")
+    config, _ = build_tiny(FAMILY, seed=3, num_hidden_layers=4, rms_norm_eps=1e-5)
+    config.save_pretrained(root / "config")  # the same weights, another config
+    samples = calibration_samples(info.vocab_size, n=4, seq=12)
+    reference = _run(root / "src", root / "reference", None, samples, info.vocab_size)
+    return {"root": root, "info": info, "samples": samples, "reference": reference}
+
+
+def _run(src, out, checkpoint_dir, samples, vocab, **recipe) -> dict:
+    """One oneshot; the kept ids, the scores and the log lines about resuming."""
+    from llmcompressor import oneshot
+
+    out = Path(out)
+    model = reload_class(FAMILY).from_pretrained(src).eval()
+    modifier = REAPPruningModifier(
+        num_experts_to_keep=4,
+        scores_path=str(out / "scores.safetensors"),
+        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+        **recipe,
+    )
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="INFO")
+    try:
+        oneshot(
+            model=model,
+            recipe=[modifier],
+            processor=make_tokenizer(vocab),
+            dataset=make_dataset(samples),
+            num_calibration_samples=len(samples),
+            shuffle_calibration_samples=False,
+            pipeline="sequential",
+        )
+    finally:
+        try:
+            logger.remove(sink)
+        except ValueError:  # data parallel: llm-compressor reconfigured the logger
+            pass
+    result = {"kept": modifier.plan.kept, "resumed": [x for x in lines if "resuming" in x]}
+    (out / "result.json").write_text(json.dumps(result))
+    return result
+
+
+def _assert_same(out: Path, reference: dict, root: Path) -> None:
+    got = ExpertScores.load(out / "scores.safetensors")
+    ref = ExpertScores.load(root / "reference" / "scores.safetensors")
+    assert got.layer_names == ref.layer_names
+    assert got.metadata["tokens"] == ref.metadata["tokens"]
+    for layer, stats in ref.layers.items():
+        assert set(got.layers[layer]) == set(stats)
+        for stat, tensor in stats.items():
+            assert torch.equal(got.layers[layer][stat], tensor), f"{layer}::{stat}"
+    assert json.loads((out / "result.json").read_text())["kept"] == reference["kept"]
+
+
+def _paused_child(target, args, pause: str, marker: Path, env: dict | None = None):
+    """Start ``target(*args)`` in a forked child that stops at ``pause``; return it
+    once it is there."""
+
+    def child():
+        os.environ.update(env or {})
+        os.environ["REAP_TEST_PAUSE_AT"] = pause
+        os.environ["REAP_TEST_PAUSE_FILE"] = str(marker)
+        target(*args)
+
+    proc = FORK.Process(target=child)
+    proc.start()
+    return proc
+
+
+def _wait_for(markers: list[Path], procs) -> None:
+    """Until every marker exists (a child that ends first fails the test)."""
+    while not all(m.exists() for m in markers):
+        dead = [p for p in procs if not p.is_alive()]
+        assert not dead, f"a run ended (exit {dead[0].exitcode}) before its pause point"
+        time.sleep(0.01)
+
+
+def _kill(procs) -> None:
+    for proc in procs:
+        os.kill(proc.pid, signal.SIGKILL)
+    for proc in procs:
+        proc.join()
+        assert proc.exitcode == -signal.SIGKILL
+
+
+# -- kill, rerun, same result ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pause", "resumed"),
+    [
+        ("layer-calibrating:1", 0),  # nothing committed: the rerun starts over
+        ("layer-calibrating:3", 2),
+        ("layer-saving:2", 1),  # layer 2's file written, not committed
+        ("layer-saving:5", 4),  # the last layer's statistics, not committed
+        ("between-layers:1", 1),
+        ("between-layers:3", 3),
+    ],
+)
+def test_killed_run_resumes_to_identical_scores(setup, tmp_path, pause, resumed):
+    root, info, samples = setup["root"], setup["info"], setup["samples"]
+    ckpt = tmp_path / "ckpt"
+    marker = tmp_path / "paused"
+    args = (root / "src", tmp_path / "killed", ckpt, samples, info.vocab_size)
+    proc = _paused_child(_run, args, pause, marker)
+    _wait_for([marker], [proc])
+    _kill([proc])
+    assert not (tmp_path / "killed" / "scores.safetensors").exists()
+
+    rerun = _run(root / "src", tmp_path / "rerun", ckpt, samples, info.vocab_size)
+    _assert_same(tmp_path / "rerun", setup["reference"], root)
+    if resumed:
+        (line,) = rerun["resumed"]
+        print(line)  # the time saved: layers skipped
+        assert f"resuming after layer {resumed} of {LAYERS} from {ckpt}" in line
+        assert f"({resumed} layers skipped" in line
+    else:
+        assert rerun["resumed"] == []
+    # committed: the last layer's statistics only; no temp file, no older layer
+    assert sorted(p.name for p in ckpt.iterdir()) == [f"rank0-layer{LAYERS}.pt", "state.json"]
+    assert json.loads((ckpt / "state.json").read_text())["done"] == LAYERS
+
+
+def test_complete_checkpoint_skips_calibration(setup, tmp_path):
+    """A rerun of a finished calibration (e.g. another keep count) runs no layer."""
+    root, info, samples = setup["root"], setup["info"], setup["samples"]
+    first = _run(root / "src", tmp_path / "a", tmp_path / "ckpt", samples, info.vocab_size)
+    assert first["resumed"] == []
+    again = _run(root / "src", tmp_path / "b", tmp_path / "ckpt", samples, info.vocab_size)
+    assert f"resuming after layer {LAYERS} of {LAYERS}" in again["resumed"][0]
+    _assert_same(tmp_path / "b", setup["reference"], root)
+
+
+# -- refusals --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished(setup, tmp_path_factory):
+    """A complete checkpoint of the reference setup."""
+    root, info, samples = setup["root"], setup["info"], setup["samples"]
+    ckpt = tmp_path_factory.mktemp("finished") / "ckpt"
+    _run(root / "src", ckpt.parent / "out", ckpt, samples, info.vocab_size)
+    return ckpt
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("other", r"another model \(model_fingerprint '[0-9a-f]{64}' there, '[0-9a-f]{64}' now\)"),
+        ("config", r"another model \(config_sha256 '[0-9a-f]{64}' there, '[0-9a-f]{64}' now\)"),
+        ("recipe", r"another recipe \(calibration_source 'default' there, 'web' now\)"),
+        ("dataset", r"on other data \(the token ids of rank 0's batches differ"),
+    ],
+)
+def test_other_model_recipe_or_data_is_refused(setup, finished, tmp_path, change, message):
+    root, info, samples = setup["root"], setup["info"], setup["samples"]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(finished, ckpt)
+    before = _files(ckpt)
+    src = root / (change if change in ("other", "config") else "src")
+    recipe = {"calibration_source": "web"} if change == "recipe" else {}
+    if change == "dataset":
+        samples = samples[:3] + [samples[3].flip(0)]
+    with pytest.raises(CheckpointMismatch, match=message) as err:
+        _run(src, tmp_path / "out", ckpt, samples, info.vocab_size, **recipe)
+    assert f"pass another checkpoint_dir, or delete {ckpt} to start over" in str(err.value)
+    assert "\n" not in str(err.value)
+    assert _files(ckpt) == before  # refused before anything was written
+
+
+# -- data parallel -----------------------------------------------------------------------
+
+
+def _rank(rank: int, port: int, src, out, ckpt, samples, vocab) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # data parallel: llm-compressor reconfigures loguru per rank; its log file stays
+    os.environ["LLM_COMPRESSOR_LOG_FILE"] = str(Path(out) / f"rank{rank}.log")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        _run(src, Path(out) / f"rank{rank}", ckpt, samples, vocab)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_ranks(tmp_path, setup, out, ckpt, pause=None):
+    root, info, samples = setup["root"], setup["info"], setup["samples"]
+    port = _free_port()
+    procs, markers = [], []
+    for rank in (0, 1):
+        args = (rank, port, root / "src", out, ckpt, samples, info.vocab_size)
+        if pause:
+            marker = tmp_path / f"paused{rank}"
+            markers.append(marker)
+            procs.append(_paused_child(_rank, args, pause, marker))
+        else:
+            procs.append(FORK.Process(target=_rank, args=args))
+            procs[-1].start()
+    if pause:
+        _wait_for(markers, procs)
+        _kill(procs)
+        return
+    for proc in procs:
+        proc.join()
+        assert proc.exitcode == 0
+
+
+def test_data_parallel_run_resumes_on_every_rank(setup, tmp_path):
+    """2 CPU ranks (gloo): killed between layers 2 and 3 on both ranks, rerun on both:
+    every rank resumes after layer 2 and the scores equal an uninterrupted 2-rank run's;
+    the checkpoint is refused to a single process (another world size)."""
+    _two_ranks(tmp_path, setup, tmp_path / "reference", tmp_path / "ref_ckpt")
+    ckpt = tmp_path / "ckpt"
+    _two_ranks(tmp_path, setup, tmp_path / "killed", ckpt, pause="between-layers:2")
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "rank0-layer2.pt",
+        "rank1-layer2.pt",
+        "state.json",
+    ]
+    _two_ranks(tmp_path, setup, tmp_path / "rerun", ckpt)
+    reference = tmp_path / "reference" / "rank0"
+    ref = json.loads((reference / "result.json").read_text())
+    _assert_same_dp(tmp_path / "rerun", reference, ref)
+    log = (tmp_path / "rerun" / "rank0.log").read_text()
+    assert f"resuming after layer 2 of {LAYERS} from {ckpt} (2 layers skipped" in log
+
+    info, samples = setup["info"], setup["samples"]
+    with pytest.raises(CheckpointMismatch, match=r"another world size \(2 there, 1 now\)"):
+        _run(setup["root"] / "src", tmp_path / "alone", ckpt, samples, info.vocab_size)
+
+
+def _assert_same_dp(rerun: Path, reference: Path, ref: dict) -> None:
+    got = ExpertScores.load(rerun / "rank0" / "scores.safetensors")
+    want = ExpertScores.load(reference / "scores.safetensors")
+    for layer, stats in want.layers.items():
+        for stat, tensor in stats.items():
+            assert torch.equal(got.layers[layer][stat], tensor), f"{layer}::{stat}"
+    for rank in (0, 1):
+        kept = json.loads((rerun / f"rank{rank}" / "result.json").read_text())["kept"]
+        assert kept == ref["kept"]
