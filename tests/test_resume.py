@@ -140,7 +140,7 @@ def _kill(procs) -> None:
         ("between-layers:3", 3),
     ],
 )
-def test_killed_run_resumes_to_identical_scores(setup, tmp_path, pause, resumed):
+def test_killed_run_resumes_to_identical_scores(setup, tmp_path, capfd, pause, resumed):
     root, info, samples = setup["root"], setup["info"], setup["samples"]
     ckpt = tmp_path / "ckpt"
     marker = tmp_path / "paused"
@@ -149,6 +149,7 @@ def test_killed_run_resumes_to_identical_scores(setup, tmp_path, pause, resumed)
     _wait_for([marker], [proc])
     _kill([proc])
     assert not (tmp_path / "killed" / "scores.safetensors").exists()
+    capfd.readouterr()  # the killed run's output
 
     rerun = _run(root / "src", tmp_path / "rerun", ckpt, samples, info.vocab_size)
     _assert_same(tmp_path / "rerun", setup["reference"], root)
@@ -159,18 +160,40 @@ def test_killed_run_resumes_to_identical_scores(setup, tmp_path, pause, resumed)
         assert f"({resumed} layers skipped" in line
     else:
         assert rerun["resumed"] == []
+    assert _progress(capfd) == [(k, resumed) for k in range(resumed + 1, LAYERS + 1)]
     # committed: the last layer's statistics only; no temp file, no older layer
     assert sorted(p.name for p in ckpt.iterdir()) == [f"rank0-layer{LAYERS}.pt", "state.json"]
     assert json.loads((ckpt / "state.json").read_text())["done"] == LAYERS
 
 
-def test_complete_checkpoint_skips_calibration(setup, tmp_path):
+def _progress(capfd) -> list[tuple[int, int]]:
+    """``(layer, resumed)`` of each ``REAP-PROGRESS`` line on stderr since the last read
+    (each says ``tokens=48``: 4 samples x 12 tokens, and has every field)."""
+    found = []
+    for line in capfd.readouterr().err.splitlines():
+        if line.startswith("REAP-PROGRESS "):
+            fields = dict(item.split("=") for item in line.split()[1:])
+            assert set(fields) == {"layer", "resumed", "tokens", "seconds", "tok_s"} | {
+                "elapsed_s",
+                "eta_s",
+            }
+            assert fields["tokens"] == "48"
+            done, total = fields["layer"].split("/")
+            assert total == str(LAYERS)
+            found.append((int(done), int(fields["resumed"])))
+    return found
+
+
+def test_complete_checkpoint_skips_calibration(setup, tmp_path, capfd):
     """A rerun of a finished calibration (e.g. another keep count) runs no layer."""
     root, info, samples = setup["root"], setup["info"], setup["samples"]
+    capfd.readouterr()
     first = _run(root / "src", tmp_path / "a", tmp_path / "ckpt", samples, info.vocab_size)
     assert first["resumed"] == []
+    assert _progress(capfd) == [(k, 0) for k in range(1, LAYERS + 1)]
     again = _run(root / "src", tmp_path / "b", tmp_path / "ckpt", samples, info.vocab_size)
     assert f"resuming after layer {LAYERS} of {LAYERS}" in again["resumed"][0]
+    assert _progress(capfd) == []  # no layer ran
     _assert_same(tmp_path / "b", setup["reference"], root)
 
 
@@ -213,6 +236,19 @@ def test_other_model_recipe_or_data_is_refused(setup, finished, tmp_path, change
     assert f"pass another checkpoint_dir, or delete {ckpt} to start over" in str(err.value)
     assert "\n" not in str(err.value)
     assert _files(ckpt) == before  # refused before anything was written
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        {"propagate_pruned": True},
+        {"calibrate_router": True},
+        {"saliency": "router_l1"},  # a weight baseline: nothing is calibrated
+    ],
+)
+def test_runs_that_cannot_resume_are_refused(tmp_path, recipe):
+    with pytest.raises(ValueError, match="checkpoint_dir cannot resume this run: .*; remove one"):
+        REAPPruningModifier(num_experts_to_keep=4, checkpoint_dir=str(tmp_path), **recipe)
 
 
 # -- data parallel -----------------------------------------------------------------------
