@@ -49,14 +49,14 @@ def setup(tmp_path_factory):
     return {"root": root, "info": info, "samples": samples, "reference": reference}
 
 
-def _run(src, out, checkpoint_dir, samples, vocab, **recipe) -> dict:
+def _run(src, out, checkpoint_dir, samples, vocab, family=FAMILY, **recipe) -> dict:
     """One oneshot; the kept ids, the scores and the log lines about resuming."""
     from llmcompressor import oneshot
 
     out = Path(out)
-    model = reload_class(FAMILY).from_pretrained(src).eval()
+    model = reload_class(family).from_pretrained(src).eval()
+    recipe.setdefault("num_experts_to_keep", 4)
     modifier = REAPPruningModifier(
-        num_experts_to_keep=4,
         scores_path=str(out / "scores.safetensors"),
         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
         **recipe,
@@ -84,6 +84,7 @@ def _run(src, out, checkpoint_dir, samples, vocab, **recipe) -> dict:
 
 
 def _assert_same(out: Path, reference: dict, root: Path) -> None:
+    """Scores (every statistic, bit for bit) and kept ids equal ``root/reference``'s."""
     got = ExpertScores.load(out / "scores.safetensors")
     ref = ExpertScores.load(root / "reference" / "scores.safetensors")
     assert got.layer_names == ref.layer_names
@@ -150,6 +151,9 @@ def test_killed_run_resumes_to_identical_scores(setup, tmp_path, capfd, pause, r
     _kill([proc])
     assert not (tmp_path / "killed" / "scores.safetensors").exists()
     capfd.readouterr()  # the killed run's output
+    # a file cut short by a kill during the write never counts
+    ckpt.mkdir(exist_ok=True)
+    (ckpt / f"rank0-layer{resumed + 1}.pt.tmp").write_bytes(b"PK\x03\x04 cut short")
 
     rerun = _run(root / "src", tmp_path / "rerun", ckpt, samples, info.vocab_size)
     _assert_same(tmp_path / "rerun", setup["reference"], root)
@@ -182,6 +186,25 @@ def _progress(capfd) -> list[tuple[int, int]]:
             assert total == str(LAYERS)
             found.append((int(done), int(fields["resumed"])))
     return found
+
+
+def test_kimi_k3_resumes_to_identical_scores(tmp_path):
+    """Kimi K3 (routed ``moe_infer`` blocks, a dense first layer; 3 decoder layers: 4
+    subgraphs): killed between layers 2 and 3, resumed, the same scores and kept ids."""
+    model, info = build_tiny("kimi_k3", seed=5)
+    model.save_pretrained(tmp_path / "src")
+    samples = calibration_samples(info.vocab_size, n=3, seq=10)
+    keep = {"family": "kimi_k3", "num_experts_to_keep": info.num_experts // 2}
+    args = (tmp_path / "src", tmp_path / "reference", None, samples, info.vocab_size)
+    reference = _run(*args, **keep)
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "paused"
+    killed = (tmp_path / "src", tmp_path / "killed", ckpt, samples, info.vocab_size)
+    proc = _paused_child(lambda: _run(*killed, **keep), (), "between-layers:2", marker)
+    _wait_for([marker], [proc])
+    _kill([proc])
+    rerun = _run(tmp_path / "src", tmp_path / "rerun", ckpt, samples, info.vocab_size, **keep)
+    assert "resuming after layer 2 of 4" in rerun["resumed"][0]
+    _assert_same(tmp_path / "rerun", reference, tmp_path)
 
 
 def test_complete_checkpoint_skips_calibration(setup, tmp_path, capfd):

@@ -206,7 +206,8 @@ class CalibrationCheckpoint:
             logger.info(
                 f"REAP: resuming after layer {done} of {self.count} from {self.dir} "
                 f"({done} layers skipped: no forward or observation runs for them; "
-                f"{restored} MoE layers' statistics restored, {tokens} tokens each)"
+                f"{restored} MoE layers' statistics restored, {tokens} tokens per layer on "
+                "rank 0)"
             )
 
     def skips(self, index: int) -> bool:
