@@ -199,7 +199,7 @@ def test_reference_cache_is_reused_and_reference_not_loaded(ckpts, run1, monkeyp
     s = Settings(**SMALL, dtype="float32", reference_cache=str(tmp_path / "cache"))
     loaded = []
     real = R._load_model
-    monkeypatch.setattr(R, "_load_model", lambda p, d: loaded.append(p) or real(p, d))
+    monkeypatch.setattr(R, "_load_model", lambda p, *a: loaded.append(p) or real(p, *a))
     first = evaluate(prepare(ckpts["src"], [ckpts["pruned"]], ckpts["texts"], s))
     assert loaded == [ckpts["src"], ckpts["pruned"]] and not first["reference_from_cache"]
     assert json.loads((tmp_path / "cache" / "reference.json").read_text())["top_n"] == 20
