@@ -26,6 +26,7 @@ from ..evaluation.run import BACKENDS, DTYPES
 from .common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, check_output_dir, console, fail
 
 __all__ = ["register"]
+
 EVAL_EXAMPLE = (
     "Examples: reap eval /models/src /models/pruned-50 --text en=en.txt --text zh=zh.jsonl -o eval/ ; "
     "reap eval /models/K3 /models/K3-448-en /models/K3-448-enzh --text en=en.jsonl --backend vllm "
