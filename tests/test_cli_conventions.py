@@ -27,6 +27,8 @@ def _walk(cmd, path: tuple[str, ...] = ()):
 ROOT = typer.main.get_command(app)
 COMMANDS = dict(_walk(ROOT))
 
+SALIENCY = ["reap", "frequency", "weighted_frequency", "ean", "ean_mean", "max_norm"]
+
 #: options whose values are a fixed set, by command: they must be choices shown in help
 FIXED = {
     ("eval",): {
@@ -34,6 +36,10 @@ FIXED = {
         "--dtype": ["auto", "float32", "bfloat16", "float16"],
     },
     ("scores", "from-weights"): {"--method": ["router_l1", "router_signed_sum", "random"]},
+    **{
+        cmd: {"--saliency": [*SALIENCY, "router_l1", "router_signed_sum", "random"]}
+        for cmd in [("cut",), ("tiers",), ("compare",)]
+    },
 }
 
 #: commands whose output flag was ``--output`` before it became ``--out`` (``scores

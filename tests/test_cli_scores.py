@@ -178,7 +178,7 @@ def test_cli_errors(files):
         (("cut", files["A"], "--keep", 1, "-o", d / "p.json"), "fewer than top_k=2"),
         (
             ("cut", files["A"], "--keep", 4, "--saliency", "bogus", "-o", d / "p.json"),
-            "unknown saliency",
+            "'bogus' is not one of",
         ),
         (
             ("cut", files["A"], "--keep", 4, "--saliency", "router_l1", "-o", d / "p.json"),

@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..scores import BASELINE_METHODS, ExpertScores, ScoresError
+from ..scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores, ScoresError
 from ..scores.plan import PlanError
 from .common import OUTPUT_ALIASES, command_class, console, fail
 
@@ -273,11 +273,11 @@ def cut_cmd(
     keep: int | None = typer.Option(None, "--keep", help="experts to keep per layer"),
     sparsity: float | None = typer.Option(None, "--sparsity", help="fraction of experts to drop"),
     divisible_by: int | None = typer.Option(None, "--divisible-by", help="kept count multiple"),
-    saliency: str | None = typer.Option(
+    saliency: Literal[SALIENCY_NAMES] | None = typer.Option(
         None,
         "--saliency",
-        help="reap | frequency | weighted_frequency | ean | ean_mean | max_norm "
-        "(calibration files; default reap) or the method of a baseline file",
+        help="the criterion: one of the calibration statistics (default reap), or the "
+        "method of a baseline file",
     ),
     output: Path = typer.Option(..., "-o", "--out", help="plan.json to write"),
 ) -> None:
