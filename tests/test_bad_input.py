@@ -952,7 +952,7 @@ def _(env, tmp):
     return Expect(
         ["scores", "from-weights", env.q, "--method", "l2", "-o", tmp / "w.scores"],
         2,
-        ["unknown baseline 'l2'"],
+        ["'l2' is not one of", "'router_l1'"],
     )
 
 

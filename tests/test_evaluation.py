@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,7 +200,7 @@ def test_reference_cache_is_reused_and_reference_not_loaded(ckpts, run1, monkeyp
     s = Settings(**SMALL, dtype="float32", reference_cache=str(tmp_path / "cache"))
     loaded = []
     real = R._load_model
-    monkeypatch.setattr(R, "_load_model", lambda p, d: loaded.append(p) or real(p, d))
+    monkeypatch.setattr(R, "_load_model", lambda p, *a: loaded.append(p) or real(p, *a))
     first = evaluate(prepare(ckpts["src"], [ckpts["pruned"]], ckpts["texts"], s))
     assert loaded == [ckpts["src"], ckpts["pruned"]] and not first["reference_from_cache"]
     assert json.loads((tmp_path / "cache" / "reference.json").read_text())["top_n"] == 20
@@ -268,3 +269,75 @@ def test_lm_eval_local_task_through_transformers_equals_the_oracle(ckpts, tmp_pa
         assert acc["value"] == pytest.approx(mc_accuracy(_model(name), rows))
         want_se = math.sqrt(acc["value"] * (1 - acc["value"]) / (len(rows) - 1))
         assert acc["stderr"] == pytest.approx(want_se, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- cache identity
+
+
+def _perturbed_router_copy(src: str, dst: Path) -> str:
+    """A copy of ``src`` whose routers differ (same config, names, shapes and sizes)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    t = load_file(f)
+    for name in [n for n in t if n.endswith("mlp.gate.weight")]:
+        t[name] = t[name].flip(0).contiguous()
+    save_file(t, f, metadata={"format": "pt"})
+    return str(dst)
+
+
+@pytest.mark.parametrize("other", ["pruned", "router_fitted"])
+def test_a_cache_of_another_reference_is_recomputed(ckpts, other, tmp_path, monkeypatch):
+    """A cache written with reference A, then an evaluation with reference B: B runs, and
+    every number equals a run of B without a cache."""
+    import reap_modifier.evaluation.run as R
+
+    a = ckpts["src"] if other == "pruned" else ckpts["pruned"]
+    b = ckpts["pruned"] if other == "pruned" else _perturbed_router_copy(a, tmp_path / "fit")
+    cache = str(tmp_path / "cache")
+    evaluate(prepare(a, [ckpts["loop"]], ckpts["texts"], Settings(**SMALL, reference_cache=cache)))
+    loaded, logs = [], []
+    real = R._load_model
+    monkeypatch.setattr(R, "_load_model", lambda p, *x: loaded.append(p) or real(p, *x))
+    s = Settings(**SMALL, reference_cache=cache)
+    got = evaluate(prepare(b, [ckpts["loop"]], ckpts["texts"], s), log=logs.append)
+    want = evaluate(prepare(b, [ckpts["loop"]], ckpts["texts"], Settings(**SMALL)))
+    assert loaded[0] == b and not got["reference_from_cache"] and got["kl_exact"]
+    (why,) = [line for line in logs if line.startswith(f"reference cache {cache}")]
+    reason = "config.json" if other == "pruned" else "model.safetensors"
+    assert "not reused (the " in why and reason in why, why
+    for name in (b, ckpts["loop"]):
+        for label in ckpts["texts"]:
+            g, w = got["models"][name][label], want["models"][name][label]
+            for k in ("nll", "nll_se", "top1", "kl", "nll_per_window", "vs_reference"):
+                assert g.get(k) == w.get(k), (name, label, k)
+    # the cache now holds B: reused for B
+    again = evaluate(prepare(b, [ckpts["loop"]], ckpts["texts"], s))
+    assert again["reference_from_cache"]
+
+
+def test_identity_names_what_differs(ckpts, tmp_path):
+    import os
+    import shutil
+
+    from reap_modifier.evaluation.cache import identity_difference, reference_identity
+
+    d = Path(shutil.copytree(ckpts["pruned"], tmp_path / "p"))
+    before = reference_identity(d)
+    assert identity_difference(before, reference_identity(d)) is None
+    assert "does not record" in identity_difference(None, before)
+    st = (d / "model.safetensors").stat()
+    os.utime(d / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert identity_difference(before, reference_identity(d)) == (
+        "the modification time of the reference's model.safetensors differs"
+    )
+    (d / "config.json").write_text((d / "config.json").read_text() + " ")
+    assert identity_difference(before, reference_identity(d)) == (
+        "the reference's config.json differs"
+    )
+    fp = reference_identity(ckpts["pruned"])["weights"]["model.safetensors"]
+    assert fp["bytes"] == (Path(ckpts["pruned"]) / "model.safetensors").stat().st_size
+    assert fp["checksum"].startswith("xxh3_128:")  # from the prune manifest

@@ -63,6 +63,14 @@ def _env(pause: str | None, marker: Path) -> dict:
     return env
 
 
+def _default_signals() -> None:
+    """In the child, SIGINT as a terminal delivers it.  A shell that runs the suite in the
+    background (CI, ``cmd &``, ``nohup``) starts it with SIGINT ignored, every child inherits
+    that, and Python then installs no KeyboardInterrupt handler: the test's Ctrl-C would be
+    lost and the run would wait at its pause point for ever."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Run:
     """``reap prune SRC --plan PLAN --out DST -q [--force]`` in a new process."""
 
@@ -86,7 +94,11 @@ class Run:
         ] + (["--force"] if force else [])
         self._log = open(self.log, "w")
         self.proc = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, env=_env(pause, self.marker)
+            args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=_env(pause, self.marker),
+            preexec_fn=_default_signals,
         )
 
     def wait_paused(self) -> str:

@@ -8,19 +8,23 @@ from pathlib import Path
 
 import numpy as np
 
+from ..fileio import atomic_path
 from ..scores.baselines import layer_number
 
 __all__ = ["plot_flips", "plot_routing_ratio", "plot_tiers", "save_png"]
 
 
 def save_png(fig, path: str | os.PathLike) -> Path:
-    """Write ``fig`` to ``path`` (parent folders created) at the reports' resolution, close it."""
+    """Write ``fig`` to ``path`` (atomically, parent folders created) at the reports'
+    resolution, close it."""
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
     return path
 
 

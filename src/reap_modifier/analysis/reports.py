@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..fileio import write_json_atomic
+from ..fileio import write_atomic, write_json_atomic
 from ..scores import ExpertScores
 from .compare import Ranking, rate_ratio, routing_rates
 from .formatting import jsonable, pct, tokens
@@ -66,7 +66,7 @@ def write_tiers_report(report: dict, out_dir: str | os.PathLike) -> dict[str, Pa
         "json": write_json_atomic(out / "tiers.json", jsonable(report)),
         "png": plot_tiers(report, out / "tiers.png"),
     }
-    (out / "tiers.md").write_text(tiers_markdown(report))
+    write_atomic(out / "tiers.md", tiers_markdown(report))
     paths["markdown"] = out / "tiers.md"
     return paths
 
@@ -217,7 +217,7 @@ def write_compare_report(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": write_json_atomic(out / "compare.json", jsonable(result))}
-    (out / "compare.md").write_text(compare_markdown(result))
+    write_atomic(out / "compare.md", compare_markdown(result))
     paths["markdown"] = out / "compare.md"
     paths["flips_png"] = plot_flips(result, out / "flips_per_layer.png")
     panels = []

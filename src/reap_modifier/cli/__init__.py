@@ -17,6 +17,8 @@ from importlib import import_module
 
 import typer
 
+from .common import HELP_OPTIONS, third_party_logs_to_stderr
+
 __all__ = ["app"]
 
 app = typer.Typer(
@@ -26,6 +28,7 @@ app = typer.Typer(
     "Example: reap cut scores.safetensors --keep 448 -o plan.json",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
+    context_settings=HELP_OPTIONS,
 )
 
 
@@ -44,6 +47,7 @@ def _main(
     ),
 ) -> None:
     """REAP expert pruning: scores, plans, checkpoint surgery and verification."""
+    third_party_logs_to_stderr()
 
 
 for _module in ("scores", "analysis", "checkpoint", "evaluate"):

@@ -8,11 +8,12 @@ space-separated after one flag (``--keep 672 448 384 224``) or repeated.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import typer
 from rich.table import Table
 
-from ..scores import ExpertScores, ScoresError
+from ..scores import SALIENCY_NAMES, ExpertScores, ScoresError
 from ..scores.plan import PlanError
 from .common import console, fail, greedy, key_values
 
@@ -32,7 +33,9 @@ def tiers_cmd(
     scores: Path = typer.Argument(..., help="scores file"),
     keep: list[int] | None = typer.Option(None, "--keep", help="keep counts (several)"),
     sparsity: list[float] | None = typer.Option(None, "--sparsity", help="sparsities (several)"),
-    saliency: str | None = typer.Option(None, "--saliency", help="criterion (default reap)"),
+    saliency: Literal[SALIENCY_NAMES] | None = typer.Option(
+        None, "--saliency", help="criterion (default reap)"
+    ),
     out_dir: Path | None = typer.Option(None, "-o", "--out", help="write tiers.json/.md/.png here"),
 ) -> None:
     """Retained saliency mass per tier, marginal cost per pruned expert, and whether
@@ -77,7 +80,9 @@ def compare_cmd(
     keep: int | None = typer.Option(None, "--keep", help="experts kept per layer"),
     sparsity: float | None = typer.Option(None, "--sparsity", help="or a sparsity"),
     divisible_by: int | None = typer.Option(None, "--divisible-by"),
-    saliency: str | None = typer.Option(None, "--saliency", help="criterion for calibration files"),
+    saliency: Literal[SALIENCY_NAMES] | None = typer.Option(
+        None, "--saliency", help="criterion for calibration files (default reap)"
+    ),
     corpus_of: list[str] | None = typer.Option(
         None, "--corpus-of", help="LABEL=corpus, e.g. B=en C=en+zh (label A, B, ... or file name)"
     ),

@@ -2,11 +2,15 @@
 user's texts, with the transformers backend (exact, in this process) or vLLM (each model served
 in turn).
 
-Everything is checked before any model loads: labels, text files (long enough for the windows),
-checkpoints (each a directory with config.json, one vocabulary and tokenizer), the vLLM Python.
-Bad input exits with code 2 and one line saying what to change; a model that fails to load also
-exits 2, naming it; a vLLM server that dies or answers an error exits 1 with its log's last
-lines; Ctrl-C / SIGTERM exits 130 (vLLM servers stopped, nothing written).
+Everything is checked before any model loads: the output directories (``-o``,
+``--reference-cache``, ``--vllm-work-dir``), labels, text files (at least one window each),
+checkpoints (each a directory with config.json, one vocabulary and tokenizer), the device, the
+vLLM Python. Bad input exits with code 2 and one line saying what to change; a model that fails
+to load also exits 2, naming it; a vLLM server that dies or answers an error exits 1 with its
+log's last lines; Ctrl-C / SIGTERM exits 130 (vLLM servers stopped, nothing written).
+
+stdout holds only results (the main table, then lm-eval's), as markdown; progress, notes,
+warnings and logs go to stderr.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
+from typing import Literal
 
 import typer
 
-from .common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, console, fail
+from ..evaluation.run import BACKENDS, DTYPES
+from .common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, check_output_dir, console, fail
 
 __all__ = ["register"]
 
@@ -61,11 +67,21 @@ def register(app: typer.Typer) -> None:
         out: Path | None = typer.Option(
             None, "--out", "-o", help="write eval.json, eval.md, eval.png here"
         ),
-        backend: str = typer.Option(
-            "transformers", "--backend", help="transformers (exact, in this process) or vllm"
+        backend: Literal[BACKENDS] = typer.Option(
+            "transformers",
+            "--backend",
+            help="transformers (exact, in this process) or vllm (each model served in turn)",
         ),
-        dtype: str = typer.Option(
-            "auto", "--dtype", help="compute dtype, both backends: auto, float32, bfloat16, float16"
+        dtype: Literal[DTYPES] = typer.Option(
+            "auto",
+            "--dtype",
+            help="compute dtype, both backends (auto: the checkpoint's)",
+        ),
+        device: str = typer.Option(
+            "cpu",
+            "--device",
+            help="where the transformers backend runs the models: cpu, cuda, cuda:N, or auto "
+            "(device_map='auto': spread over every GPU)",
         ),
         window_tokens: int = typer.Option(256, "--window-tokens", help="tokens per window"),
         windows: int = typer.Option(64, "--windows", help="windows per text"),
@@ -116,10 +132,16 @@ def register(app: typer.Typer) -> None:
     ):
         """What a cut cost: NLL, paired ΔNLL, top-1 agreement, KL and greedy repeat runs of candidates against a reference."""
         from ..evaluation import EvalInputError, Settings, evaluate, prepare
-        from ..evaluation.report import main_table, write_outputs
+        from ..evaluation.report import lm_eval_table, main_table, write_outputs
         from ..serving.server import ServerError
         from .checkpoint import _interruptible
 
+        for flag, path in (
+            ("-o", out),
+            ("--reference-cache", reference_cache),
+            ("--vllm-work-dir", vllm_work_dir),
+        ):
+            check_output_dir(path, flag)
         labels = _texts(text)
         for name, v, lo in (
             ("--window-tokens", window_tokens, 2),
@@ -129,8 +151,6 @@ def register(app: typer.Typer) -> None:
         ):
             if v < lo:
                 fail(f"{name} must be at least {lo}, got {v}")
-        if out is not None and out.exists() and not out.is_dir():
-            fail(f"-o {out} is a file; give a directory")
         tasks = [t.strip() for t in (lm_eval or "").split(",") if t.strip()]
         if lm_eval is not None and not tasks:
             fail("--lm-eval expects task names, e.g. --lm-eval hellaswag,arc_easy")
@@ -144,7 +164,7 @@ def register(app: typer.Typer) -> None:
         settings = Settings(
             window_tokens=window_tokens, windows=windows, seed=seed, prompt_seed=prompt_seed, prompts=prompts,
             prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, top_n=top_n, text_field=text_field,
-            dtype=dtype, backend=backend, chunk=chunk,
+            dtype=dtype, backend=backend, device=device, chunk=chunk,
             vllm_python=str(vllm_python) if vllm_python else None, vllm_args=list(vllm_arg or []),
             reference_cache=str(reference_cache) if reference_cache else None,
             work_dir=str(vllm_work_dir) if vllm_work_dir else (str(out / "vllm") if out else None),
@@ -157,6 +177,8 @@ def register(app: typer.Typer) -> None:
                 prep = prepare(str(reference), [str(c) for c in candidates], labels, settings)
                 for note in prep.notes:
                     typer.echo(f"note: {note}", err=True)
+                for warning in prep.warnings:
+                    typer.echo(f"warning: {warning}", err=True)
                 res = evaluate(prep, log=log, command=shlex.join(["reap", *sys.argv[1:]]))
         except EvalInputError as exc:
             fail(exc)
@@ -166,12 +188,10 @@ def register(app: typer.Typer) -> None:
             fail("interrupted: nothing was written", EXIT_INTERRUPTED)
         console.print(main_table(res), markup=False, highlight=False, soft_wrap=True)
         if res.get("lm_eval"):
-            for name, by_task in res["lm_eval"]["results"].items():
-                for task, metrics in (by_task or {}).items():
-                    cells = ", ".join(
-                        f"{m} {v['value']:.4f} ± {v['stderr'] or 0:.4f}" for m, v in metrics.items()
-                    )
-                    typer.echo(f"lm-eval {name} {task}: {cells}")
+            console.print("\n" + lm_eval_table(res), markup=False, highlight=False, soft_wrap=True)
         if out is not None:
-            paths = write_outputs(res, out)
+            try:
+                paths = write_outputs(res, out)
+            except OSError as exc:  # a disk that filled, a folder removed meanwhile
+                fail(exc, EXIT_CHECK_FAILED)
             typer.echo(f"wrote {paths['json']}, {paths['md']} and {paths['png']}", err=True)

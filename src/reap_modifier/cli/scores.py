@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Literal
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..scores import ExpertScores, ScoresError
+from ..scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores, ScoresError
 from ..scores.plan import PlanError
-from .common import console, fail
+from .common import OUTPUT_ALIASES, command_class, console, fail
 
 __all__ = ["register"]
 
@@ -86,14 +87,18 @@ scores_app = typer.Typer(
     no_args_is_help=True,
 )
 
+#: the commands that write one file take ``-o/--out`` (``--output``, their old spelling, too)
+_WRITES = command_class(aliases=OUTPUT_ALIASES)
+
 
 @scores_app.command(
     "merge",
+    cls=_WRITES,
     epilog="Example: reap scores merge scores_en.safetensors scores_zh.safetensors -o scores_en_zh.safetensors",
 )
 def merge_cmd(
     inputs: list[Path] = typer.Argument(..., help="two or more scores files from the same model"),
-    output: Path = typer.Option(..., "-o", "--output", help="merged scores file to write"),
+    output: Path = typer.Option(..., "-o", "--out", help="merged scores file to write"),
 ) -> None:
     """Add calibration statistics: sums and counts add, per-source counts and token
     counts add, max_norm takes the max. scores(en+zh) == merge(scores(en), scores(zh))."""
@@ -230,13 +235,18 @@ def _print_support(s) -> None:
 
 @scores_app.command(
     "from-weights",
+    cls=_WRITES,
     epilog="Example: reap scores from-weights /models/K3 --method router_l1 -o l1.safetensors",
 )
 def from_weights_cmd(
     checkpoint: Path = typer.Argument(..., help="safetensors checkpoint folder (or one file)"),
-    method: str = typer.Option(..., "--method", help="router_l1 | router_signed_sum | random"),
+    method: Literal[BASELINE_METHODS] = typer.Option(
+        ...,
+        "--method",
+        help="the ranking: router weights' L1 norm, their signed sum, or random",
+    ),
     seed: int = typer.Option(0, "--seed", help="seed of the random baseline"),
-    output: Path = typer.Option(..., "-o", "--output", help="scores file to write"),
+    output: Path = typer.Option(..., "-o", "--out", help="scores file to write"),
 ) -> None:
     """A calibration-free baseline scores file computed from router weights alone
     (reads only the router tensors; the model is never loaded)."""
@@ -263,13 +273,13 @@ def cut_cmd(
     keep: int | None = typer.Option(None, "--keep", help="experts to keep per layer"),
     sparsity: float | None = typer.Option(None, "--sparsity", help="fraction of experts to drop"),
     divisible_by: int | None = typer.Option(None, "--divisible-by", help="kept count multiple"),
-    saliency: str | None = typer.Option(
+    saliency: Literal[SALIENCY_NAMES] | None = typer.Option(
         None,
         "--saliency",
-        help="reap | frequency | weighted_frequency | ean | ean_mean | max_norm "
-        "(calibration files; default reap) or the method of a baseline file",
+        help="the criterion: one of the calibration statistics (default reap), or the "
+        "method of a baseline file",
     ),
-    output: Path = typer.Option(..., "-o", "--output", help="plan.json to write"),
+    output: Path = typer.Option(..., "-o", "--out", help="plan.json to write"),
 ) -> None:
     """Cut a scores file into a pruning plan (any tier, no recalibration), with the same
     keep-count rule as the modifier. The plan is what `reap prune --plan` and the
@@ -314,4 +324,4 @@ def cut_cmd(
 def register(app: typer.Typer) -> None:
     """Add ``scores {merge,show,from-weights}`` and ``cut`` to ``app``."""
     app.add_typer(scores_app, name="scores")
-    app.command("cut", epilog=CUT_EXAMPLE)(cut_cmd)
+    app.command("cut", cls=_WRITES, epilog=CUT_EXAMPLE)(cut_cmd)

@@ -25,6 +25,7 @@ __all__ = [
     "ReferenceTopN",
     "evaluate_models",
     "greedy_generate",
+    "input_device",
     "run_models",
     "zero_routed_experts",
 ]
@@ -46,10 +47,22 @@ class ReferenceTopN:
         return int(self.top_ids.shape[-1])
 
 
-def _logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=ids)
-    logits = out.logits if hasattr(out, "logits") else out
-    return logits.float()
+def input_device(model: Any) -> torch.device:
+    """Where ``model`` takes its input ids: its input embedding's device (a model spread over
+    GPUs with ``device_map="auto"`` starts there), else its first parameter's, else the CPU."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    for p in [*(emb.parameters() if emb is not None else []), *model.parameters()]:
+        return p.device
+    return torch.device("cpu")
+
+
+def _logits(model: Any, ids: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """float32 logits of ``model`` on ``ids`` (moved to the model's input device), on
+    ``device`` (default: where the model put them)."""
+    out = model(input_ids=ids.to(input_device(model)))
+    logits = (out.logits if hasattr(out, "logits") else out).float()
+    return logits if device is None else logits.to(device)
 
 
 def _against_topn(logits: torch.Tensor, ids: torch.Tensor, ref: ReferenceTopN, lo: int) -> dict:
@@ -57,8 +70,8 @@ def _against_topn(logits: torch.Tensor, ids: torch.Tensor, ref: ReferenceTopN, l
     KL estimated with the candidate's exact log-probs at the reference's top-N tokens."""
     m = token_metrics(logits, ids)
     B = ids.shape[0]
-    r_ids = ref.top_ids[lo : lo + B].long()
-    r_lp = ref.top_lp[lo : lo + B]
+    r_ids = ref.top_ids[lo : lo + B].to(logits.device, torch.long)
+    r_lp = ref.top_lp[lo : lo + B].to(logits.device)
     lp = F.log_softmax(logits[:, :-1].float(), dim=-1)
     q_at = lp.gather(-1, r_ids)
     m["agree"] = (lp.argmax(-1) == r_ids[..., 0]).double().sum(1)
@@ -104,14 +117,16 @@ def run_models(
             x = windows[i : i + chunk]
             ref_logits = None
             for name in order:
-                logits = _logits(models[name], x)
+                # every model's logits on the first one's device, beside the ids
+                logits = _logits(models[name], x, None if ref_logits is None else ref_logits.device)
+                x = x.to(logits.device)
                 if name == reference:
                     ref_logits = logits
                     if top_n:
                         lp = F.log_softmax(logits[:, :-1].float(), dim=-1)
                         t = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
-                        tops_i.append(t.indices.to(torch.int32))
-                        tops_v.append(t.values)
+                        tops_i.append(t.indices.to("cpu", torch.int32))
+                        tops_v.append(t.values.cpu())
                 if in_memory:
                     acc[name].add(token_metrics(logits, x, ref_logits))
                 elif cached is not None:
@@ -165,7 +180,7 @@ def greedy_generate(
     with torch.no_grad():
         for _ in range(max_new_tokens):
             nxt = _logits(model, x)[:, -1].argmax(-1, keepdim=True)
-            x = torch.cat([x, nxt.to(x.dtype)], dim=1)
+            x = torch.cat([x, nxt.to(x.device, x.dtype)], dim=1)
             if progress is not None:
                 progress(1)
     return x[:, prompts.shape[1] :]

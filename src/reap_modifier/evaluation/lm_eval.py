@@ -100,10 +100,13 @@ def _evaluate(lm: Any, tasks: list[str], include_path, limit) -> dict:
 def run_on_model(
     model, tokenizer, tasks: list[str], *, include_path=None, limit=None, batch_size: int = 8
 ) -> dict:
-    """lm-eval on a loaded transformers model (CPU)."""
+    """lm-eval on a loaded transformers model (on the device it was loaded on)."""
     from lm_eval.models.huggingface import HFLM
 
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device="cpu")
+    from .hf import input_device
+
+    device = str(input_device(model))
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
     return _evaluate(lm, tasks, include_path, limit)
 
 

@@ -4,7 +4,8 @@ reads), ``eval.png`` (NLL cost and KL per candidate and label), and the main tab
 JSON schema (``format: reap-eval``, ``version: 1``; documented in ``docs/evaluation.md``):
 ``models[<model path as given>][<label>]`` holds ``nll`` (mean nats per predicted token),
 ``nll_se`` (standard error over windows), ``ppl``, ``top1`` (fraction in [0, 1]), ``kl`` (nats per
-token, ``null`` for the reference), ``repeat_run_max`` / ``repeat_run_mean`` (tokens),
+token, ``null`` for the reference; an estimate when the top-level ``kl_exact`` is false),
+``repeat_run_max`` / ``repeat_run_mean`` (tokens),
 ``tokens``, ``windows``, ``nll_per_window`` and, for candidates, ``vs_reference`` (paired NLL
 difference: ``mean``, ``se``, ``n``) and, with an estimated KL, ``kl_tail_mass``.
 """
@@ -14,10 +15,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 
-__all__ = ["main_table", "render_markdown", "write_outputs"]
+from ..fileio import write_atomic
+
+__all__ = ["kl_label", "lm_eval_table", "main_table", "render_markdown", "write_outputs"]
 
 
 def _f(v, fmt: str = ".4f") -> str:
@@ -30,6 +32,19 @@ def _pm(d: dict | None) -> str:
     if not d:
         return "-"
     return f"{d['mean']:+.4f} ± {_f(d['se'])}"
+
+
+def kl_label(res: dict) -> str:
+    """What the KL column holds: ``KL``, or ``KL (top-20 estimate, lower bound)`` when it was
+    estimated from the reference's top-N log-probs (a cached reference, or vLLM)."""
+    if res.get("kl_exact", True):
+        return "KL"
+    return f"KL (top-{res['settings']['top_n']} estimate, lower bound)"
+
+
+def _kl_cell(m: dict) -> str:
+    tail = m.get("kl_tail_mass")
+    return _f(m["kl"]) + ("" if tail is None or m["kl"] is None else f" (tail {100 * tail:.0f}%)")
 
 
 def table_rows(res: dict) -> list[list[str]]:
@@ -46,30 +61,45 @@ def table_rows(res: dict) -> list[list[str]]:
                     _f(m["ppl"], ".3f"),
                     _pm(m.get("vs_reference")),
                     "-" if m["top1"] is None else f"{100 * m['top1']:.2f}%",
-                    _f(m["kl"]),
+                    _kl_cell(m),
                     f"{_f(m['repeat_run_max'], 'd')} / {_f(m['repeat_run_mean'], '.1f')}",
                 ]
             )
     return rows
 
 
-HEADER = [
-    "model",
-    "text",
-    "NLL ± se",
-    "PPL",
-    "ΔNLL vs ref ± se",
-    "top-1",
-    "KL",
-    "repeat max / mean",
-]
+def header(res: dict) -> list[str]:
+    """The main table's column titles."""
+    return [
+        "model",
+        "text",
+        "NLL ± se",
+        "PPL",
+        "ΔNLL vs ref ± se",
+        "top-1",
+        kl_label(res),
+        "repeat max / mean",
+    ]
 
 
 def main_table(res: dict) -> str:
-    """The main table as a markdown table (also what stdout shows)."""
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    """The main table as a markdown table (also what stdout shows). An estimated KL is
+    labelled so in its column title and each cell gives the reference's probability mass
+    outside the compared tokens (``tail``)."""
+    head = header(res)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in table_rows(res)]
     return "\n".join(lines)
+
+
+def lm_eval_table(res: dict) -> str:
+    """lm-evaluation-harness results as a markdown table: model, task, metric, value ± stderr."""
+    out = ["| model | task | metric | value ± stderr |", "|---|---|---|---|"]
+    for name, tasks in res["lm_eval"]["results"].items():
+        for task, metrics in (tasks or {}).items():
+            for metric, v in metrics.items():
+                out.append(f"| {name} | {task} | {metric} | {_f(v['value'])} ± {_f(v['stderr'])} |")
+    return "\n".join(out)
 
 
 def render_markdown(res: dict) -> str:
@@ -101,8 +131,9 @@ def render_markdown(res: dict) -> str:
     if any(m.get("kl_tail_mass") is not None for by in res["models"].values() for m in by.values()):
         out += [
             "",
-            "KL was estimated from top-N log-probs: the estimate is a lower bound; `kl_tail_mass` "
-            "in eval.json is the reference probability mass the estimate could not compare.",
+            "KL was estimated from top-N log-probs: the estimate is a lower bound; tail (and "
+            "`kl_tail_mass` in eval.json) is the reference's probability mass the estimate could "
+            "not compare.",
         ]
     if res.get("throughput"):
         out += [
@@ -118,19 +149,7 @@ def render_markdown(res: dict) -> str:
                 f"{_f(t.get('generated_tokens_per_s'), '.1f')} | {_f(t.get('server_start_s'), '.1f')} |"
             )
     if res.get("lm_eval"):
-        out += [
-            "",
-            "## lm-evaluation-harness",
-            "",
-            "| model | task | metric | value ± stderr |",
-            "|---|---|---|---|",
-        ]
-        for name, tasks in res["lm_eval"]["results"].items():
-            for task, metrics in tasks.items():
-                for metric, v in metrics.items():
-                    out.append(
-                        f"| {name} | {task} | {metric} | {_f(v['value'])} ± {_f(v['stderr'])} |"
-                    )
+        out += ["", "## lm-evaluation-harness", "", lm_eval_table(res)]
     gens = res.get("generations") or {}
     if any(gens.values()):
         out += ["", "## Greedy continuations (first prompt per text)", ""]
@@ -139,16 +158,11 @@ def render_markdown(res: dict) -> str:
                 if rows:
                     text = rows[0]["text"].replace("\n", "⏎")[:200]
                     out.append(f"- `{name}` / {label} (run {rows[0]['repeat_run_tokens']}): {text}")
+    for warning in res.get("warnings") or []:
+        out.append(f"\nWarning: {warning}")
     for note in res.get("notes") or []:
         out.append(f"\nNote: {note}")
     return "\n".join(out) + "\n"
-
-
-def _atomic_write(path: Path, data: str | bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
 
 
 def _se0(v) -> float:
@@ -185,9 +199,10 @@ def plot(res: dict, path: Path) -> Path:
             width,
             label=Path(c).name or c,
         )
-    for ax, title in zip(
-        axes, ("ΔNLL vs reference (nats/token, ± se)", "KL(reference || candidate) (nats/token)")
-    ):
+    kl_title = "KL(reference || candidate) (nats/token)"
+    if not res.get("kl_exact", True):
+        kl_title = kl_label(res).replace("KL", kl_title, 1)
+    for ax, title in zip(axes, ("ΔNLL vs reference (nats/token, ± se)", kl_title)):
         ax.set_xticks(x + width * (len(cands) - 1) / 2, labels)
         ax.set_title(title, fontsize=10)
         ax.axhline(0, color="k", lw=0.5)
@@ -204,7 +219,7 @@ def write_outputs(res: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
     from ..analysis.formatting import jsonable
 
     text = json.dumps(jsonable(res), indent=1, ensure_ascii=False, allow_nan=False)
-    _atomic_write(paths["json"], text + "\n")
-    _atomic_write(paths["md"], render_markdown(res))
+    write_atomic(paths["json"], text + "\n")
+    write_atomic(paths["md"], render_markdown(res))
     plot(res, paths["png"])
     return paths

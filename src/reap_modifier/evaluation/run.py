@@ -6,13 +6,14 @@ tokenizers, texts, windows, the vLLM Python) and builds the windows and prompts;
 :mod:`.report` writes as ``eval.json`` (schema in ``docs/evaluation.md``).
 
 Every model is evaluated on the same windows, tokenized with the reference's tokenizer. The
-reference comes from the cache (``reference_cache``) when one matches, else it runs (and the
-cache is written).
+reference comes from the cache (``reference_cache``) when one was computed for this reference
+on these windows, else it runs (and the cache is written).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -22,13 +23,13 @@ from typing import Any
 
 import torch
 
-from .cache import load_cache, save_cache
+from .cache import load_cache, reference_identity, save_cache
 from .checkpoints import check_checkpoints, load_tokenizer
 from .hf import ReferenceTopN, greedy_generate, run_models
 from .metrics import WindowMetrics, paired_difference, repetition_stats, topn_kl
 from .texts import TextError, ids_sha256, load_records, pick_prompts, sample_windows
 
-__all__ = ["EvalInputError", "Prepared", "Settings", "evaluate", "prepare"]
+__all__ = ["EvalInputError", "Prepared", "Settings", "device_map", "evaluate", "prepare"]
 
 BACKENDS = ("transformers", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -51,6 +52,7 @@ class Settings:
     text_field: str = "text"
     dtype: str = "auto"
     backend: str = "transformers"
+    device: str = "cpu"  # transformers backend: cpu, cuda, cuda:N, auto
     chunk: int = 8
     vllm_python: str | None = None
     vllm_args: list[str] = field(default_factory=list)
@@ -72,8 +74,31 @@ class Prepared:
     windows: dict[str, torch.Tensor]
     prompts: dict[str, list[dict]]
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     vllm_python: str | None = None
     vllm_version: str | None = None
+
+
+def device_map(device: str) -> str | dict | None:
+    """``from_pretrained``'s ``device_map`` for ``--device``: ``cpu`` -> ``None``, ``cuda`` /
+    ``cuda:N`` -> that GPU, ``auto`` -> ``"auto"`` (spread over every GPU, then the CPU).
+    Raises :class:`EvalInputError` for another value or a GPU this machine does not have."""
+    if device in ("cpu", "auto"):
+        return None if device == "cpu" else "auto"
+    m = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if m is None:
+        raise EvalInputError(f"--device must be cpu, cuda, cuda:N or auto, got {device!r}")
+    if not torch.cuda.is_available():
+        raise EvalInputError(
+            f"--device {device}: CUDA is not available (torch {torch.__version__}); "
+            "use --device cpu, or run where a GPU is visible"
+        )
+    n, index = torch.cuda.device_count(), int(m[1] or 0)
+    if index >= n:
+        raise EvalInputError(
+            f"--device {device}: this machine has {n} GPU(s), cuda:0..cuda:{n - 1}"
+        )
+    return {"": f"cuda:{index}"}
 
 
 def prepare(
@@ -87,6 +112,12 @@ def prepare(
         raise EvalInputError(f"--backend must be one of {', '.join(BACKENDS)}, got {s.backend!r}")
     if s.dtype not in DTYPES:
         raise EvalInputError(f"--dtype must be one of {', '.join(DTYPES)}, got {s.dtype!r}")
+    if s.backend == "vllm" and s.device != "cpu":
+        raise EvalInputError(
+            "--device places the transformers backend; vLLM places the model itself "
+            "(e.g. --vllm-arg=--tensor-parallel-size=8)"
+        )
+    device_map(s.device)
     if not candidates:
         raise EvalInputError("give at least one candidate checkpoint after the reference")
     if not texts:
@@ -104,15 +135,22 @@ def prepare(
         tok = load_tokenizer(reference)
     except CheckpointInputError as exc:
         raise EvalInputError(str(exc)) from None
-    records, windows, prompts = {}, {}, {}
+    records, windows, prompts, warnings = {}, {}, {}, []
     for label, path in texts.items():
         try:
             records[label] = load_records(path, s.text_field)
-            windows[label] = sample_windows(records[label], tok, s.windows, s.window_tokens, s.seed)
+            windows[label] = sample_windows(
+                records[label], tok, s.windows, s.window_tokens, s.seed, allow_fewer=True
+            )
         except TextError as exc:
             msg = str(exc)
             where = f"--text {label}={path}"
             raise EvalInputError(msg if msg.startswith(str(path)) else f"{where}: {msg}") from None
+        if len(windows[label]) < s.windows:
+            warnings.append(
+                f"{label}: {path} holds {len(windows[label])} windows of {s.window_tokens} tokens; "
+                f"using {len(windows[label])} of the {s.windows} windows asked"
+            )
         pseed = s.seed + 7 if s.prompt_seed is None else s.prompt_seed
         prompts[label] = pick_prompts(records[label], tok, s.prompts, s.prompt_tokens, pseed)
         if s.prompts and len(prompts[label]) < s.prompts:
@@ -121,7 +159,7 @@ def prepare(
                 f"for the {s.prompts} prompts asked"
             )
     prep = Prepared(
-        reference, list(candidates), dict(texts), s, tok, records, windows, prompts, notes
+        reference, list(candidates), dict(texts), s, tok, records, windows, prompts, notes, warnings
     )
     if s.backend == "vllm":
         from ..serving.vllm_check import VllmNotFound, find_vllm_python
@@ -138,6 +176,7 @@ def _cache_meta(prep: Prepared) -> dict:
     s = prep.settings
     return {
         "reference": prep.reference,
+        "reference_identity": reference_identity(prep.reference),
         "backend": s.backend,
         "dtype": s.dtype,
         "top_n": s.top_n,
@@ -157,11 +196,11 @@ def _lm_eval_spec(s: Settings) -> dict:
     return {"tasks": list(s.lm_eval_tasks), "limit": s.lm_eval_limit, "include": s.lm_eval_include}
 
 
-def _load_model(path: str, dtype: str):
+def _load_model(path: str, dtype: str, device: str = "cpu"):
     from ..models.loading import load_checkpoint_model
 
     try:
-        return load_checkpoint_model(path, dtype=dtype)
+        return load_checkpoint_model(path, dtype=dtype, device_map=device_map(device))
     except Exception as exc:  # noqa: BLE001 - named and re-raised as bad input
         raise EvalInputError(
             f"{path}: transformers could not load the checkpoint ({type(exc).__name__}: {exc})"
@@ -177,12 +216,13 @@ def evaluate(
     """Run the evaluation; returns the results dict (see :mod:`.report`)."""
     s = prep.settings
     t_start = time.time()
-    meta = _cache_meta(prep)
-    cached = load_cache(s.reference_cache, meta) if s.reference_cache else None
+    meta = _cache_meta(prep) if s.reference_cache else {}
+    cached = None
     if s.reference_cache:
+        cached, why = load_cache(s.reference_cache, meta)
         log(
             f"reference cache {s.reference_cache}: "
-            + ("reused" if cached else "absent or for other windows; computing the reference")
+            + ("reused" if cached else f"not reused ({why}); computing the reference")
         )
     lm: dict[str, dict] = {}
     if cached and s.lm_eval_tasks:
@@ -194,8 +234,11 @@ def evaluate(
     if s.reference_cache and not cached and ref_top is not None:
         if s.lm_eval_tasks:
             meta["lm_eval"] = {"spec": _lm_eval_spec(s), "results": lm.get(prep.reference)}
-        save_cache(s.reference_cache, meta, ref_top, ref_gens)
-        log(f"wrote the reference cache {s.reference_cache}")
+        try:
+            save_cache(s.reference_cache, meta, ref_top, ref_gens)
+            log(f"wrote the reference cache {s.reference_cache}")
+        except OSError as exc:  # a cache is an optimisation: the results stand without it
+            log(f"warning: could not write the reference cache {s.reference_cache}: {exc}")
     res = _results(prep, summaries, gens, throughput, cached is not None, command, t_start)
     if s.lm_eval_tasks:
         res["lm_eval"] = {
@@ -214,11 +257,11 @@ def _reference_summary(ref: ReferenceTopN) -> dict:
     return out
 
 
-def _generate(model, prompts: list[dict], gen_tokens: int) -> list[list[int]]:
+def _generate(model, prompts: list[dict], gen_tokens: int, progress=None) -> list[list[int]]:
     if not prompts or gen_tokens <= 0:
         return []
     batch = torch.tensor([p["ids"] for p in prompts], dtype=torch.long)
-    return greedy_generate(model, batch, gen_tokens).tolist()
+    return greedy_generate(model, batch, gen_tokens, progress=progress).tolist()
 
 
 def _run_transformers(prep: Prepared, cached, log, lm: dict):
@@ -228,8 +271,8 @@ def _run_transformers(prep: Prepared, cached, log, lm: dict):
     names = ([] if cached else [prep.reference]) + prep.candidates
     models = {}
     for name in names:
-        log(f"loading {name} (transformers, dtype={s.dtype})")
-        models[name] = _load_model(name, s.dtype)
+        log(f"loading {name} (transformers, dtype={s.dtype}, device={s.device})")
+        models[name] = _load_model(name, s.dtype, s.device)
     summaries: dict[str, dict[str, dict]] = {n: {} for n in [prep.reference, *prep.candidates]}
     gens: dict[str, dict[str, list]] = {n: {} for n in summaries}
     ref_top: dict[str, ReferenceTopN] = {}
@@ -254,9 +297,13 @@ def _run_transformers(prep: Prepared, cached, log, lm: dict):
                 ref_top[label] = top
     score_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for name, model in models.items():
-        for label in prep.windows:
-            gens[name][label] = _generate(model, prep.prompts[label], s.gen_tokens)
+    steps = sum(1 for ps in prep.prompts.values() if ps) * s.gen_tokens * len(models)
+    with tqdm(total=steps, desc="greedy generation (tokens x texts x models)", unit="tok") as bar:
+        for name, model in models.items():
+            for label in prep.windows:
+                gens[name][label] = _generate(
+                    model, prep.prompts[label], s.gen_tokens, progress=bar.update
+                )
     if cached:
         gens[prep.reference] = cached[1]
     gen_s = time.perf_counter() - t0
@@ -432,6 +479,7 @@ def _results(prep: Prepared, summaries, gens, throughput, from_cache, command, t
         "reference": ref,
         "candidates": list(cands),
         "settings": {k: v for k, v in asdict(s).items() if k not in ("backend", "dtype")},
+        "kl_exact": exact,
         "kl_method": "exact"
         if exact
         else f"top-{s.top_n} estimate (a lower bound; see kl_tail_mass)",
@@ -457,5 +505,6 @@ def _results(prep: Prepared, summaries, gens, throughput, from_cache, command, t
         "throughput": {k: v for k, v in throughput.items() if k != "timing"},
         "timing": throughput.get("timing"),
         "notes": prep.notes,
+        "warnings": prep.warnings,
         "seconds": round(time.time() - t_start, 2),
     }

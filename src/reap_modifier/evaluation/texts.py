@@ -6,8 +6,9 @@
   ``.parquet``).
 - :func:`sample_windows`: paragraphs shuffled with a seed, tokenized with the reference's
   tokenizer, concatenated with its end-of-text token between them, cut into full windows of
-  ``window_tokens`` -- so the windows are spread across the file, not its first tokens. The main
-  job's held-out windows are these, on its evaluation splits.
+  ``window_tokens`` -- so the windows are spread across the file, not its first tokens (or, for
+  ``reap eval``, as many full windows as a short file holds). The main job's held-out windows
+  are these, on its evaluation splits.
 - :func:`pick_prompts`: the first ``prompt_tokens`` tokens of seeded paragraphs (sources taken in
   turn) that hold at least 4 more tokens, for greedy continuations.
 - :func:`ids_sha256`: the hash the report and the reference cache record for windows / prompts.
@@ -152,10 +153,17 @@ def shuffled(records: Sequence[dict], seed: int, mix: str = "proportional") -> l
 
 
 def sample_windows(
-    records: Sequence[dict], tokenizer: Any, n_windows: int, window_tokens: int, seed: int
+    records: Sequence[dict],
+    tokenizer: Any,
+    n_windows: int,
+    window_tokens: int,
+    seed: int,
+    *,
+    allow_fewer: bool = False,
 ):
     """``n_windows`` windows of ``window_tokens`` ids (``torch.LongTensor [n, T]``) from the seeded
-    paragraph order; raises :class:`TextError` when the text holds fewer tokens."""
+    paragraph order. When the text holds fewer tokens: raises :class:`TextError`, or with
+    ``allow_fewer`` returns the full windows it holds (at least one; the caller says so)."""
     import torch
 
     if window_tokens < 2:
@@ -170,12 +178,16 @@ def sample_windows(
         ids.extend(toks[: need - len(ids)])
         if len(ids) >= need:
             break
-    if len(ids) < need:
+    n = len(ids) // window_tokens
+    if n < n_windows and not (allow_fewer and n >= 1):
+        least = "one window" if allow_fewer else f"{n_windows} windows"
         raise TextError(
-            f"holds {len(ids)} tokens, fewer than {n_windows} windows x {window_tokens} = {need}; "
-            "give a longer text or lower --windows / --window-tokens"
+            f"holds {len(ids)} tokens, fewer than {least} x {window_tokens}"
+            + ("" if allow_fewer else f" = {need}")
+            + "; give a longer text or lower "
+            + ("--window-tokens" if allow_fewer else "--windows / --window-tokens")
         )
-    return torch.tensor(ids, dtype=torch.long).view(n_windows, window_tokens)
+    return torch.tensor(ids[: n * window_tokens], dtype=torch.long).view(n, window_tokens)
 
 
 def pick_prompts(

@@ -33,11 +33,18 @@ def register_kimi_auto_classes() -> None:
             pass
 
 
-def load_checkpoint_model(path: str | os.PathLike, *, dtype: str = "auto", packed: bool = False):
+def load_checkpoint_model(
+    path: str | os.PathLike,
+    *,
+    dtype: str = "auto",
+    packed: bool = False,
+    device_map: str | dict | None = None,
+):
     """A checkpoint directory through transformers' ``AutoModelForCausalLM`` (Kimi K3 via
     llm-compressor's class), eval mode, floating weights in ``dtype`` (``"auto"``: the
-    config's). compressed-tensors checkpoints are decompressed on load, or with ``packed``
-    keep ``weight_packed`` / ``weight_scale`` as stored.
+    config's), placed by ``device_map`` (``from_pretrained``'s: ``None`` the CPU, ``"auto"``
+    spread over the GPUs, ``{"": "cuda:1"}`` one GPU). compressed-tensors checkpoints are
+    decompressed on load, or with ``packed`` keep ``weight_packed`` / ``weight_scale`` as stored.
 
     Why: compressed-tensors 0.19 dequantizes to bf16 whatever ``from_pretrained``'s dtype,
     so a float32 load leaves bf16 experts in a float32 model, whose first forward fails.
@@ -52,12 +59,15 @@ def load_checkpoint_model(path: str | os.PathLike, *, dtype: str = "auto", packe
         register_kimi_auto_classes()
     target = "auto" if dtype == "auto" else getattr(torch, dtype)
     if (cfg.get("quantization_config") or {}).get("quant_method") != "compressed-tensors":
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=target).eval()
+        return AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=target, device_map=device_map
+        ).eval()
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
     model = AutoModelForCausalLM.from_pretrained(
         str(path),
         dtype=torch.bfloat16,
+        device_map=device_map,
         quantization_config=CompressedTensorsConfig(dequantize=not packed),
     ).eval()
     if target == "auto":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from ..fileio import atomic_path
 
 __all__ = [
     "BASELINE_METHODS",
@@ -373,7 +374,6 @@ class ExpertScores:
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically (temp file in the same folder, then rename)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {
             f"{layer}::{stat}": t.detach().to("cpu", torch.float64).contiguous()
             for layer, stats in self.layers.items()
@@ -383,14 +383,8 @@ class ExpertScores:
         meta["format"] = SCORES_FORMAT
         meta["version"] = SCORES_VERSION
         meta["layers"] = list(self.layers)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata={"reap_scores": json.dumps(meta)})
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"reap_scores": json.dumps(meta)})
         return path
 
     @classmethod
