@@ -153,7 +153,8 @@ def test_killed_run_resumes_to_identical_scores(setup, tmp_path, capfd, pause, r
     capfd.readouterr()  # the killed run's output
     # a file cut short by a kill during the write never counts
     ckpt.mkdir(exist_ok=True)
-    (ckpt / f"rank0-layer{resumed + 1}.pt.tmp").write_bytes(b"PK\x03\x04 cut short")
+    (ckpt / f".rank0-layer{resumed + 1}.pt.x1y2z3.tmp").write_bytes(b"PK\x03\x04 cut short")
+    (ckpt / ".state.json.a1b2c3.tmp").write_text('{"format": 1, "done"')
 
     rerun = _run(root / "src", tmp_path / "rerun", ckpt, samples, info.vocab_size)
     _assert_same(tmp_path / "rerun", setup["reference"], root)

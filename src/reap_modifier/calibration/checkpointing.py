@@ -6,7 +6,7 @@ sums of the MoE layers observed so far and the pipeline's activations cache (the
 of subgraph ``k``, all that the later subgraphs need) to ``rank{r}-layer{k}.pt``; then
 rank 0 commits ``state.json`` (``done: k``) and every rank removes its previous file.
 After the last subgraph only the statistics are written (``done: N``). Files are written
-to a temp name and renamed, and only ``state.json`` says which files count, so a run
+to a temp name and renamed (:func:`~reap_modifier.fileio.atomic_path`), and only ``state.json`` says which files count, so a run
 killed at any point leaves the last committed layer intact.
 
 A rerun with the same model, recipe, data and world size reads ``state.json``, restores
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from ..fileio import write_json_atomic
+from ..fileio import atomic_path, write_json_atomic
 from ..models import MoEArchitecture
 from ..pause_points import pause_point
 from .accumulator import LayerAccumulator
@@ -245,9 +245,12 @@ class CalibrationCheckpoint:
         if not self.dir.is_dir():
             return
         keep_name = self._rank_file(keep).name if keep is not None else None
-        for path in self.dir.glob(f"rank{self.rank}-layer*"):
-            if path.name != keep_name:
-                path.unlink(missing_ok=True)
+        mine = (f"rank{self.rank}-layer",) + ((f".{STATE}.",) if self.rank == 0 else ())
+        for path in self.dir.iterdir():  # the files, and temp files (".<name>.<random>.tmp")
+            name = path.name
+            if name.lstrip(".").startswith(mine) or name.startswith(mine):
+                if name != keep_name:
+                    path.unlink(missing_ok=True)
 
     def _save(self, done: int, intermediates: bool) -> None:
         start = time.monotonic()
@@ -259,9 +262,8 @@ class CalibrationCheckpoint:
             "intermediates": self._cache.batch_intermediates if intermediates else None,
         }
         path = self._rank_file(done)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            torch.save(payload, tmp)
         size = path.stat().st_size
         pause_point("layer-saving", done)
         self._barrier()  # every rank's file is whole before the commit
