@@ -6,8 +6,9 @@ sums of the MoE layers observed so far and the pipeline's activations cache (the
 of subgraph ``k``, all that the later subgraphs need) to ``rank{r}-layer{k}.pt``; then
 rank 0 commits ``state.json`` (``done: k``) and every rank removes its previous file.
 After the last subgraph only the statistics are written (``done: N``). Files are written
-to a temp name and renamed (:func:`~reap_modifier.fileio.atomic_path`), and only ``state.json`` says which files count, so a run
-killed at any point leaves the last committed layer intact.
+to a temp name and renamed (:func:`~reap_modifier.fileio.atomic_path`), and only
+``state.json`` says which files count, so a run killed at any point leaves the last
+committed layer intact.
 
 A rerun with the same model, recipe, data and world size reads ``state.json``, restores
 the sums, puts the saved activations into the cache and lets the first ``k`` subgraphs
@@ -162,7 +163,10 @@ class CalibrationCheckpoint:
             )
         found = _differences(theirs, ours)
         if found:
-            label = {"world_size": "world size"}.get(what, what)
+            label = {
+                "world_size": "world size",
+                "subgraphs": "sequential trace (subgraph count; were sequential_targets changed?)",
+            }.get(what, what)
             raise CheckpointMismatch(
                 f"checkpoint_dir {self.dir} holds a calibration with another {label} "
                 f"({'; '.join(found[:3])}): {self._remedy()}"
