@@ -49,7 +49,9 @@ def setup(tmp_path_factory):
     return {"root": root, "info": info, "samples": samples, "reference": reference}
 
 
-def _run(src, out, checkpoint_dir, samples, vocab, family=FAMILY, **recipe) -> dict:
+def _run(
+    src, out, checkpoint_dir, samples, vocab, family=FAMILY, pipeline_kw=None, **recipe
+) -> dict:
     """One oneshot; the kept ids, the scores and the log lines about resuming."""
     from llmcompressor import oneshot
 
@@ -72,6 +74,7 @@ def _run(src, out, checkpoint_dir, samples, vocab, family=FAMILY, **recipe) -> d
             num_calibration_samples=len(samples),
             shuffle_calibration_samples=False,
             pipeline="sequential",
+            **(pipeline_kw or {}),
         )
     finally:
         try:
@@ -244,9 +247,10 @@ def _files(path: Path) -> dict[str, bytes]:
         ("config", r"another model \(config_sha256 '[0-9a-f]{64}' there, '[0-9a-f]{64}' now\)"),
         ("recipe", r"another recipe \(calibration_source 'default' there, 'web' now\)"),
         ("dataset", r"on other data \(the token ids of rank 0's batches differ"),
+        ("pipeline", r"another sequential trace \(subgraph count; .*\(5 there, 3 now\)"),
     ],
 )
-def test_other_model_recipe_or_data_is_refused(setup, finished, tmp_path, change, message):
+def test_other_model_recipe_data_or_trace_is_refused(setup, finished, tmp_path, change, message):
     root, info, samples = setup["root"], setup["info"], setup["samples"]
     ckpt = tmp_path / "ckpt"
     shutil.copytree(finished, ckpt)
@@ -255,6 +259,8 @@ def test_other_model_recipe_or_data_is_refused(setup, finished, tmp_path, change
     recipe = {"calibration_source": "web"} if change == "recipe" else {}
     if change == "dataset":
         samples = samples[:3] + [samples[3].flip(0)]
+    if change == "pipeline":  # two decoder layers per subgraph
+        recipe["pipeline_kw"] = {"sequential_targets_per_subgraph": 2}
     with pytest.raises(CheckpointMismatch, match=message) as err:
         _run(src, tmp_path / "out", ckpt, samples, info.vocab_size, **recipe)
     assert f"pass another checkpoint_dir, or delete {ckpt} to start over" in str(err.value)
