@@ -86,10 +86,9 @@ print(json.dumps([vllm.__version__, torch.cuda.is_available(), cpu_amx]))
 def _probe_python(python: str) -> VllmInfo | None:
     """vLLM's version, CUDA availability and AMX MLA condition in ``python`` (importing vLLM
     takes ~5-15 s, once)."""
-    code = _PROBE_CODE
     try:
         out = subprocess.run(
-            [python, "-c", code],
+            [python, "-c", _PROBE_CODE],
             capture_output=True,
             text=True,
             timeout=300,
