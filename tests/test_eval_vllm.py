@@ -15,8 +15,9 @@ Server starts are shared: one vLLM run (3 servers), one transformers run, one ca
 An MLA model (DeepSeek-V3, unpruned and pruned) runs in bfloat16, the dtype every vLLM CPU
 attention for MLA computes in (2 servers): the default ``--dtype`` becomes bfloat16 on an AMX CPU,
 said in one note before the servers start; the NLL equals the transformers backend's in bfloat16
-within 0.02 nats per token, and the pruned model's top-1 agreement with the unpruned one (under
-0.5: the comparison tells the two apart) within 3 positions of it (bf16 near-ties flip argmaxes).
+within 0.03 nats per token (measured: 0.001-0.011; vLLM's bf16 batches vary from run to run), and
+the pruned model's top-1 agreement with the unpruned one (under 0.5: the comparison tells the two
+apart) within 5 of 92 positions of it (measured: 0-2; bf16 near-ties flip argmaxes).
 """
 
 from __future__ import annotations
@@ -161,6 +162,6 @@ def test_mla_model_served_in_bfloat16_scores_as_the_transformers_backend(
     assert ("note: dtype bfloat16 for --dtype auto: " in res.output) == amx
     a, b = v["models"], t["models"]
     for name in (str(src), str(pruned)):
-        assert abs(a[name]["en"]["nll"] - b[name]["en"]["nll"]) < 0.02, name
+        assert abs(a[name]["en"]["nll"] - b[name]["en"]["nll"]) < 0.03, name
     x, y = a[str(pruned)]["en"], b[str(pruned)]["en"]
-    assert abs(x["top1"] - y["top1"]) * x["tokens"] <= 3 and y["top1"] < 0.5, (x["top1"], y["top1"])
+    assert abs(x["top1"] - y["top1"]) * x["tokens"] <= 5 and y["top1"] < 0.5, (x["top1"], y["top1"])
