@@ -10,6 +10,10 @@ unless ``REAP_REQUIRE_VLLM=1`` (``scripts/test.sh`` sets it, so CI fails instead
   checkpoint (float32 compute on both sides, so rounding near-ties of random tiny models
   cannot flip a token), and the log-probabilities of identical sequences agree to 1e-3;
   the unpruned model's tokens differ (the comparison can tell the models apart).
+- DeepSeek-V3 (MLA) in the dtypes vLLM's CPU MLA attention runs on any CPU: bfloat16 (the
+  only one of its AMX attention, which it takes on an AMX CPU), and float32 with its reference
+  MLA attention asked for (``--attention-backend CPU_MLA``); the rule itself is tested on
+  both kinds of CPU in ``test_vllm_dtype.py``.
 - MXFP4 checkpoints (Kimi K3, the bundled trained model pruned by ``reap prune`` and by the
   modifier; Qwen3-MoE): vLLM's weight
   loader accepts them and every tensor lands in vLLM's parameters, experts in their slot;
@@ -162,25 +166,44 @@ def test_reap_prune_output_serves_with_transformers_tokens(family, vllm_python, 
     _assert_tells_models_apart(src, report)
 
 
-def test_reap_prune_deepseek_v3_serves_the_pruned_model(vllm_python, tmp_path):
-    """DeepSeek-V3 (MLA) on vLLM's CPU backend differs from transformers by ~1e-2 nats per
-    token in float32 on the *unpruned* checkpoint too (vLLM's CPU MLA path; the difference is
-    in the rotary part: with the rope rows of q_proj / kv_a_proj_with_mqa zeroed the two agree
-    to 1e-4), enough to flip
-    near-tie greedy tokens and grouped-sigmoid routing of a random tiny model.  So the oracle
-    here is relative: on transformers' greedy sequences, vLLM's log-probabilities are those of
-    the pruned model, many times closer to it than to the unpruned one."""
+def cpu_has_amx() -> bool:
+    """The oracle for the dtype vLLM's CPU backend accepts for MLA: the CPU's own flags."""
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "dtype, server_args",
+    [("auto", []), ("float32", ["--attention-backend=CPU_MLA"])],
+    ids=["auto-bf16", "float32-cpu-mla"],
+)
+def test_reap_prune_deepseek_v3_serves_the_pruned_model(dtype, server_args, vllm_python, tmp_path):
+    """DeepSeek-V3 (MLA) on vLLM's CPU backend, in a dtype each attention backend runs: ``auto``
+    (the bf16 checkpoint's; on an AMX CPU the check asks for bfloat16 explicitly, the only dtype
+    of vLLM's AMX MLA attention), and float32 with vLLM's reference MLA attention asked for.
+
+    vLLM's CPU MLA path differs from transformers by ~1e-2 nats per token in float32 on the
+    *unpruned* checkpoint too (the difference is in the rotary part: with the rope rows of
+    q_proj / kv_a_proj_with_mqa zeroed the two agree to 1e-4), enough to flip near-tie greedy
+    tokens and grouped-sigmoid routing of a random tiny model.  So the oracle here is relative:
+    on transformers' greedy sequences, vLLM's log-probabilities are those of the pruned model,
+    many times closer to it than to the unpruned one (both computed in the served dtype)."""
     import statistics
 
     src, blocks, n = _build_bf16("deepseek_v3", tmp_path / "src")
     dst = _prune(src, blocks, KEPT["deepseek_v3"], n, tmp_path / "pruned")
     report = check_with_vllm(
-        dst, vllm_python=vllm_python, dtype="float32", work_dir=tmp_path / "vllm"
-    )
-    assert report.loaded and report.served and report.vllm_logprobs
+        dst, vllm_python=vllm_python, dtype=dtype, server_args=server_args,
+        work_dir=tmp_path / "vllm",
+    )  # fmt: skip
+    want = "bfloat16" if dtype == "auto" and cpu_has_amx() else dtype
+    assert report.dtype == want
+    assert report.loaded and report.served and report.vllm_logprobs, "\n".join(report.failures)
     assert report.server_pid and live_group_members(report.server_pid) == []
     full = sequence_logprobs(
-        load_reference_model(src, "float32"), report.prompts, report.reference_tokens
+        load_reference_model(src, want), report.prompts, report.reference_tokens
     )
     flat = lambda rows: [x for r in rows for x in r]  # noqa: E731
     vllm_lp = flat(report.vllm_logprobs)

@@ -133,7 +133,9 @@ def register(app: typer.Typer) -> None:
         """What a cut cost: NLL, paired ΔNLL, top-1 agreement, KL and greedy repeat runs of candidates against a reference."""
         from ..evaluation import EvalInputError, Settings, evaluate, prepare
         from ..evaluation.report import lm_eval_table, main_table, write_outputs
+        from ..evaluation.vllm import served_dtype_for
         from ..serving.server import ServerError
+        from ..serving.vllm_dtype import DtypeRefused
         from .checkpoint import _interruptible
 
         for flag, path in (
@@ -175,12 +177,18 @@ def register(app: typer.Typer) -> None:
         try:
             with _interruptible():  # SIGTERM takes Ctrl-C's path: vLLM servers are stopped
                 prep = prepare(str(reference), [str(c) for c in candidates], labels, settings)
+                if backend == "vllm":  # the dtype vLLM can serve these models in
+                    served = served_dtype_for(
+                        [reference, *candidates], dtype, prep.vllm_python, settings.vllm_args
+                    )
+                    settings.dtype = served.dtype
+                    prep.notes += [served.reason] if served.reason else []
                 for note in prep.notes:
                     typer.echo(f"note: {note}", err=True)
                 for warning in prep.warnings:
                     typer.echo(f"warning: {warning}", err=True)
                 res = evaluate(prep, log=log, command=shlex.join(["reap", *sys.argv[1:]]))
-        except EvalInputError as exc:
+        except (EvalInputError, DtypeRefused) as exc:
             fail(exc)
         except ServerError as exc:  # a vLLM server that died or answered an error: its log tail
             fail(f"vLLM: {exc}", EXIT_CHECK_FAILED)

@@ -11,22 +11,50 @@ and generated tokens per second, each over the wall time of its requests.
 
 vLLM returns at most ``--max-logprobs`` log-probs per position (20 by default); the server is
 started with ``--max-logprobs`` = N unless the user's ``--vllm-arg`` sets it.
+
+Every model is served in one dtype (:func:`served_dtype_for`: the user's ``--dtype``, except where
+vLLM's CPU backend computes the model in bfloat16 only, see
+:mod:`~reap_modifier.serving.vllm_dtype`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ..serving import vllm_check
 from ..serving.server import VllmServer
+from ..serving.vllm_dtype import ServedDtype, served_dtype
 from .hf import ReferenceTopN
 
-__all__ = ["ServedRun", "serve_and_score"]
+__all__ = ["ServedRun", "serve_and_score", "served_dtype_for"]
+
+
+def served_dtype_for(
+    checkpoints: Sequence[str | Path], requested: str, vllm_python: str, server_args: Sequence[str]
+) -> ServedDtype:
+    """The one dtype every checkpoint is served in: ``requested`` unless vLLM's CPU backend
+    computes one of them in bfloat16 only (then ``auto`` becomes bfloat16 for all, with the
+    reason, and any other dtype raises :class:`~reap_modifier.serving.vllm_dtype.DtypeRefused`
+    naming ``--dtype bfloat16``)."""
+    info = vllm_check.find_vllm_python(vllm_python)
+    choices = [
+        served_dtype(
+            requested,
+            json.loads((Path(c) / "config.json").read_text()),
+            cpu_amx=info.cpu_amx,
+            server_args=server_args,
+            dtype_flag="--dtype",
+        )
+        for c in checkpoints
+    ]
+    return next((c for c in choices if c.reason), choices[0])
 
 
 @dataclass

@@ -4,6 +4,8 @@
   environment against a separate Python that has vLLM;
 - :mod:`.server`: vLLM's OpenAI server started, queried and stopped by pid on 127.0.0.1;
 - :mod:`.reference`: transformers' greedy tokens on the same checkpoint;
+- :mod:`.vllm_dtype`: the dtype vLLM can serve a model in (bfloat16 only for MLA models on
+  vLLM's CPU backend on an AMX CPU), for the check and the vLLM eval backend;
 - :mod:`.vllm_load_probe`: a standalone script run *by the vLLM Python* (weight loading
   only, every tensor placed), never imported here.
 """

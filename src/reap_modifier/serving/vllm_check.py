@@ -34,8 +34,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loguru import logger
+
 from .reference import Reference, greedy_reference, load_reference_model, make_prompts
 from .server import ServerError, VllmServer, vllm_env
+from .vllm_dtype import served_dtype
 
 __all__ = [
     "INSTALL_HINT",
@@ -64,17 +67,28 @@ class VllmInfo:
     python: str
     version: str
     cuda: bool
+    #: vLLM's CPU platform on an x86 CPU with AMX tiles: MLA attention runs as AMX_MLA, bfloat16
+    #: only (:mod:`~reap_modifier.serving.vllm_dtype`)
+    cpu_amx: bool = False
+
+
+#: run by the vLLM Python: its version, CUDA, and vLLM's own AMX condition for MLA attention
+_PROBE_CODE = """
+import json, torch, vllm
+from vllm.platforms import current_platform as p
+amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+cpu_amx = p.is_cpu() and p.get_cpu_architecture().name == "X86" and bool(amx())
+print(json.dumps([vllm.__version__, torch.cuda.is_available(), cpu_amx]))
+"""
 
 
 @functools.lru_cache(maxsize=8)
 def _probe_python(python: str) -> VllmInfo | None:
-    """vLLM's version and CUDA availability in ``python`` (importing vLLM takes ~5-15 s, once)."""
-    code = (
-        "import json, torch, vllm; print(json.dumps([vllm.__version__, torch.cuda.is_available()]))"
-    )
+    """vLLM's version, CUDA availability and AMX MLA condition in ``python`` (importing vLLM
+    takes ~5-15 s, once)."""
     try:
         out = subprocess.run(
-            [python, "-c", code],
+            [python, "-c", _PROBE_CODE],
             capture_output=True,
             text=True,
             timeout=300,
@@ -85,8 +99,8 @@ def _probe_python(python: str) -> VllmInfo | None:
         return None
     if out.returncode != 0:
         return None
-    version, cuda = json.loads(out.stdout.strip().splitlines()[-1])
-    return VllmInfo(python, version, bool(cuda))
+    version, cuda, cpu_amx = json.loads(out.stdout.strip().splitlines()[-1])
+    return VllmInfo(python, version, bool(cuda), bool(cpu_amx))
 
 
 def find_vllm_python(python: str | os.PathLike | None = None) -> VllmInfo:
@@ -121,6 +135,8 @@ class VllmCheckReport:
     checkpoint: str
     mode: str
     vllm: VllmInfo | None = None
+    #: the dtype both sides computed in (``auto``: the checkpoint's)
+    dtype: str = "auto"
     loaded: bool | None = None
     served: bool | None = None
     tokens_match: bool | None = None
@@ -151,8 +167,12 @@ class VllmCheckReport:
         return d
 
 
+def _config(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / "config.json").read_text())
+
+
 def _is_quantized(checkpoint: Path) -> str | None:
-    cfg = json.loads((checkpoint / "config.json").read_text())
+    cfg = _config(checkpoint)
     for holder in (cfg, cfg.get("text_config") or {}):
         qc = holder.get("quantization_config")
         if qc:
@@ -161,7 +181,7 @@ def _is_quantized(checkpoint: Path) -> str | None:
 
 
 def _vocab_size(checkpoint: Path) -> int:
-    cfg = json.loads((checkpoint / "config.json").read_text())
+    cfg = _config(checkpoint)
     for holder in (cfg, cfg.get("text_config") or {}, cfg.get("language_config") or {}):
         if holder.get("vocab_size"):
             return int(holder["vocab_size"])
@@ -188,12 +208,17 @@ def check_with_vllm(
     :param vllm_python: interpreter with vLLM (see :func:`find_vllm_python`)
     :param mode: ``auto``, ``serve`` or ``load``
     :param dtype: compute dtype on both sides (``auto`` = the checkpoint's; ``float32``
-        makes the comparison insensitive to rounding near-ties of tiny random models)
+        makes the comparison insensitive to rounding near-ties of tiny random models); in
+        ``serve`` mode the one vLLM serves the model in
+        (:func:`~reap_modifier.serving.vllm_dtype.served_dtype`: ``auto`` becomes bfloat16
+        for MLA models on an AMX CPU, and float32 there is refused)
     :param reference: compare with transformers' greedy tokens (needs the model to fit
         in this process); without it, ``serve`` proves only that vLLM serves the checkpoint
     :param reference_model: an already loaded transformers model of ``checkpoint``
     :raises VllmNotFound: no vLLM (exit code 2 in the CLI)
-    :raises ValueError: bad arguments or not a checkpoint directory (exit code 2)
+    :raises ValueError: bad arguments, a dtype vLLM cannot serve the model in
+        (:class:`~reap_modifier.serving.vllm_dtype.DtypeRefused`) or not a checkpoint
+        directory (exit code 2)
     """
     ckpt = Path(checkpoint)
     if not (ckpt / "config.json").is_file():
@@ -204,7 +229,14 @@ def check_with_vllm(
     quant = _is_quantized(ckpt)
     if mode == "auto":
         mode = "load" if (quant and not info.cuda) else "serve"
-    report = VllmCheckReport(checkpoint=str(ckpt), mode=mode, vllm=info)
+    if mode == "serve":  # refused here, before the reference loads or a server starts
+        served = served_dtype(
+            dtype, _config(ckpt), cpu_amx=info.cpu_amx, server_args=server_args or []
+        )
+        if served.reason:
+            logger.info(served.reason)
+        dtype = served.dtype
+    report = VllmCheckReport(checkpoint=str(ckpt), mode=mode, vllm=info, dtype=dtype)
     if quant and mode == "load" and not info.cuda:
         report.notes.append(
             f"{quant} checkpoint and no CUDA device for vLLM: weight loading only (no MoE kernel runs on this CPU)"
