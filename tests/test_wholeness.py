@@ -176,6 +176,19 @@ def test_a_known_per_expert_tensor_left_at_the_old_count_is_named(family, where,
         check_whole(model, arch, 8, run_forward=False)
 
 
+def test_router_rows_are_cut_once_when_kept_plus_shared_rows_equal_the_old_count():
+    """Inkling: 8 routed + 1 shared-expert router row; keeping 7 leaves 8 rows, which
+    must not be taken for an uncut router and cut again."""
+    kept = [0, 1, 2, 3, 4, 6, 7]
+    model, arch, ids, expected = _in_memory("inkling", kept)
+    assert arch.layers[0].extra_rows == 1
+    assert arch.layers[0].router_weight().shape[0] == 8
+    check_whole(model, arch, 8, sample_ids=ids)
+    with torch.no_grad():
+        got = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_counts_left_at_the_old_value_are_named():
     model, _ = build_family("qwen3_moe", seed=3)
     arch = find_moe_architecture(model)
@@ -205,29 +218,23 @@ def test_an_unknown_per_expert_tensor_the_forward_uses_fails_the_forward_proof()
 
 
 def test_blocks_run_on_their_calibration_inputs_when_the_model_takes_no_token_ids():
-    """The forward proof runs each block on its recorded input; without one, a model
-    whose forward takes hidden states is run block by block on inputs of its width."""
+    """The forward proof runs the whole model on token ids when its forward takes them;
+    for a model whose forward takes hidden states, each block on its recorded input, or
+    without one on hidden states of its router's input width."""
     model, arch, ids, _ = _in_memory("qwen3_moe", [0, 1, 2, 3])
     seen = []
     for layer in arch.layers:
         layer.block.register_forward_pre_hook(lambda m, a: seen.append(tuple(a[0].shape)))
     inputs = {layer.name: torch.randn(1, 3, 32) for layer in arch.layers}
-    check_whole(model, arch, 8, block_inputs=inputs)
+    check_whole(model, arch, 8, sample_ids=ids, block_inputs=inputs)
+    assert seen == [(1, 10, 32), (1, 10, 32)]  # the model on the first sample's ids
+    model.forward = lambda hidden_states: hidden_states  # takes no token ids
+    seen.clear()
+    check_whole(model, arch, 8, sample_ids=ids, block_inputs=inputs)
     assert seen == [(1, 3, 32), (1, 3, 32)]
     seen.clear()
-    check_whole(model, arch, 8, sample_ids=ids)  # no inputs: the model on token ids
-    assert seen == [(1, 10, 32), (1, 10, 32)]
-
-
-def test_a_forward_that_fails_is_a_wholeness_error():
-    model, arch, ids, _ = _in_memory("qwen3_moe", [0, 1, 2, 3])
-
-    def boom(module, args):
-        raise RuntimeError("index 7 is out of bounds")
-
-    arch.layers[0].block.register_forward_pre_hook(boom)
-    with pytest.raises(WholenessError, match="fails its first forward.*index 7"):
-        check_whole(model, arch, 8, sample_ids=ids)
+    check_whole(model, arch, 8)
+    assert seen == [(1, 4, 32), (1, 4, 32)]
 
 
 def test_no_tokens_names_the_pipeline_when_batches_were_cached():

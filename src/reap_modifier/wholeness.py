@@ -15,11 +15,12 @@ equal the old expert count, such as a hidden size of 128 beside 128 experts):
 - the count attributes of the block, router and experts (``num_experts``, ...,
   ``out_features``) and the config's count keys say the new count.
 
-Then a forward proves the rest (:func:`prove_forward`): each pruned block on hidden
-states it saw during calibration, or, without those, the whole model on token ids when
-its forward takes them. Any failure raises :class:`WholenessError` naming the tensor,
-module or error, so the caller writes nothing (the modifier raises before ``oneshot``
-saves; ``reap prune`` checks the same rule on the rewritten tensors).
+Then a forward proves the rest (:func:`prove_forward`): the whole model on calibration
+token ids when its forward takes them, else each pruned block on hidden states it saw
+during calibration (a model whose forward takes hidden states). Any failure raises
+:class:`WholenessError` naming the tensor, module or error, so the caller writes nothing
+(the modifier raises before ``oneshot`` saves; ``reap prune`` checks the same rule on the
+rewritten tensors).
 """
 
 from __future__ import annotations
@@ -152,24 +153,12 @@ def leftovers(arch: MoEArchitecture, old_count: int) -> list[str]:
     return problems
 
 
-def _takes(fn, name: str) -> bool:
-    """Whether ``fn`` accepts keyword ``name`` (or any keyword)."""
+def _takes_token_ids(model: nn.Module) -> bool:
+    """Whether ``model.forward`` names an ``input_ids`` parameter."""
     try:
-        params = inspect.signature(fn).parameters.values()
+        return "input_ids" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
-        return True
-    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
-
-
-def _runs_alone(block: nn.Module) -> bool:
-    """Whether ``block`` can be called with hidden states only (a decoder layer acting
-    as the MoE block also needs positions and masks)."""
-    try:
-        params = list(inspect.signature(block.forward).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return True
-    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    return all(p.kind in variadic or p.default is not p.empty for p in params)
+        return False
 
 
 def _device(module: nn.Module) -> torch.device:
@@ -188,40 +177,30 @@ def prove_forward(
     block_inputs: Mapping[str, torch.Tensor] | None = None,
     sample_ids: torch.Tensor | None = None,
 ) -> str:
-    """Run the pruned model: each MoE block on its recorded calibration input (which it
-    must map to hidden states of the same size), else the whole model on ``sample_ids``
-    (or a few ids below the vocabulary size) when its forward takes ``input_ids``, else
-    each block on a few hidden states of its router's input width. Returns which ran.
+    """Run the pruned model: the whole model on ``sample_ids`` (or a few ids below the
+    vocabulary size) when its forward takes ``input_ids``; otherwise each MoE block on
+    its recorded calibration input, or on a few hidden states of its router's input
+    width, which it must map to hidden states of the same size. Returns what ran.
 
     :raises Exception: whatever the forward raises
     """
-    layers = arch.layers
-    inputs = dict(block_inputs or {})
-    alone = all(_runs_alone(layer.block) for layer in layers)
-    if alone and all(layer.name in inputs for layer in layers):
-        _run_blocks(layers, inputs)
-        return "each pruned MoE block on its calibration input"
-    if _takes(model.forward, "input_ids"):
+    if _takes_token_ids(model):
         if sample_ids is None:
             vocab = int(getattr(arch.config, "vocab_size", 8) or 8)
             sample_ids = (torch.arange(8) % vocab).unsqueeze(0)
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
         model(input_ids=sample_ids[:1, :16].to(device or "cpu"), use_cache=False)
-        return "the whole model"
-    if not alone:
-        raise TypeError(
-            f"{type(model).__name__}.forward takes no input_ids and its MoE blocks need more "
-            "than hidden states; run calibration so each block's input is recorded"
-        )
+        return "the whole model on token ids"
+    inputs = dict(block_inputs or {})
     gen = torch.Generator().manual_seed(0)
-    for layer in layers:
+    for layer in arch.layers:
         if layer.name not in inputs:
             weight = router_weight_of(layer.router)
             inputs[layer.name] = torch.randn(
                 1, SAMPLE_TOKENS, weight.shape[-1], generator=gen, dtype=torch.float32
             ).to(weight.dtype)
-    _run_blocks(layers, inputs)
-    return "each pruned MoE block on hidden states of its width"
+    _run_blocks(arch.layers, inputs)
+    return "each pruned MoE block on hidden states"
 
 
 def _run_blocks(layers: list[MoELayer], inputs: Mapping[str, torch.Tensor]) -> None:
