@@ -194,12 +194,14 @@ def test_counts_left_at_the_old_value_are_named():
     arch = find_moe_architecture(model)
     apply_plan(model, arch, _plan(arch, [0, 2, 5, 7]))
     arch.layers[1].experts.num_experts = 8
+    arch.layers[0].router.out_features = 8
     key = arch.count_keys[0]
     setattr(arch.config, key, 8)
     with pytest.raises(WholenessError) as err:
         check_whole(model, arch, 8, run_forward=False)
     assert "model.layers.1.mlp.experts.num_experts is still 8" in str(err.value)
     assert f"config {key} is 8, expected 4" in str(err.value)
+    assert "mlp.gate.out_features is 8, expected 4 router rows" in str(err.value)
 
 
 def test_an_unknown_per_expert_tensor_the_forward_uses_fails_the_forward_proof():

@@ -131,12 +131,14 @@ def _layer_leftovers(layer: MoELayer, old_count: int, new_count: int) -> list[st
         {f"{layer.router_attr}.{n}".rstrip("."): m for n, m in layer.router.named_modules()}
     )
     for prefix, module in modules.items():
-        attrs = MODULE_COUNT_ATTRS + (("out_features",) if module is owner else ())
-        for key in attrs:
+        where = f"{layer.name}.{prefix}" if prefix else layer.name
+        for key in MODULE_COUNT_ATTRS:
             value = getattr(module, key, None)
             if isinstance(value, int) and value == old_count:
-                where = f"{layer.name}.{prefix}" if prefix else layer.name
                 problems.append(f"{where}.{key} is still {old_count}")
+        out = getattr(module, "out_features", None) if module is owner else None
+        if isinstance(out, int) and out != want_rows:
+            problems.append(f"{where}.out_features is {out}, expected {want_rows} router rows")
     return problems
 
 
