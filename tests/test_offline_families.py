@@ -177,6 +177,13 @@ def test_ernie_statics_bias_1xE_is_cut_and_reloads(tmp_path):
     assert out["model.layers.1.mlp.moe_statics.e_score_correction_bias"].shape == (1, KEEP)
 
 
+def test_router_weight_of_a_hidden_size_equal_to_the_expert_count_is_cut_on_rows(tmp_path):
+    """hidden = MoE intermediate = E = 8: the router weight ``[E, E]`` is cut on its rows
+    (its expert axis), the experts on their leading one; bit-exact, equals masked routing."""
+    model, _ = build_family("qwen3_moe", seed=13, hidden_size=8, moe_intermediate_size=8)
+    assert offline_flow("qwen3_moe", tmp_path, model=model) < 1e-4
+
+
 def test_tensor_no_rule_cuts_is_named_and_nothing_is_written(tmp_path):
     """A per-expert matrix on the block ([E, 3]) that no rule knows how to cut."""
     src = _saved("qwen3_moe", tmp_path)

@@ -548,6 +548,7 @@ class REAPPruningModifier(Modifier):
         update_config_counts(arch.config, arch.count_keys, plan.num_kept)
         arch.num_experts = plan.num_kept
         self._plan = plan
+        self._check_whole(model, plan)
         if layerwise.record() is None:
             logger.info(
                 "REAP: propagate_pruned: the whole model was one calibration epoch (basic "
@@ -660,16 +661,20 @@ class REAPPruningModifier(Modifier):
         apply_plan(model, self._arch, plan)
         # before any output is written: every tensor cut, one forward runs (packed
         # experts: the checkpoint rewriter verifies instead of decompressing the model)
-        sample = self._observer.sample_ids if self._observer is not None else None
+        self._check_whole(model, plan)
+        if distributed.is_source_process():
+            self._write_outputs(plan)
+
+    def _check_whole(self, model: torch.nn.Module, plan: PruningPlan) -> None:
+        observer = self._observer
         check_whole(
             model,
             self._arch,
             plan.num_experts,
-            sample_ids=sample,
+            sample_ids=observer.sample_ids if observer is not None else None,
             run_forward=not compressed_modules(model),
+            block_inputs=observer.block_inputs if observer is not None else None,
         )
-        if distributed.is_source_process():
-            self._write_outputs(plan)
 
     def _router_weights(self, layers=None) -> dict[str, torch.Tensor]:
         from compressed_tensors import align_module_device

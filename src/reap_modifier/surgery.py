@@ -29,13 +29,14 @@ __all__ = ["apply_plan", "prune_layer", "update_config_counts"]
 _ROUTER_ROW_TENSORS = ("weight", "bias", "e_score_correction_bias")
 
 
-def _select_rows(module: nn.Module, attr: str, index: torch.Tensor, num_experts: int) -> None:
-    """Replace ``module.<attr>`` by its rows ``index``, keeping Parameter vs buffer."""
+def _select_rows(module: nn.Module, attr: str, index: torch.Tensor, num_experts: int) -> bool:
+    """Replace ``module.<attr>`` by its rows ``index``, keeping Parameter vs buffer;
+    whether it had ``num_experts`` rows to cut."""
     current = getattr(module, attr, None)
     if not isinstance(current, torch.Tensor) or current.dim() == 0:
-        return
+        return False
     if current.shape[0] != num_experts:
-        return
+        return False
     with align_module_device(module):
         live = getattr(module, attr)
         rows = live.detach().index_select(0, index.to(live.device)).contiguous()
@@ -44,6 +45,7 @@ def _select_rows(module: nn.Module, attr: str, index: torch.Tensor, num_experts:
     else:
         # buffers: `to_tensor` keeps offloaded buffers offloaded
         setattr(module, attr, to_tensor(rows, current))
+    return True
 
 
 def _select_dim(module: nn.Module, attr: str, index: torch.Tensor, dim: int) -> None:
@@ -81,20 +83,22 @@ def _remap_table(name: str, module: nn.Module, attr: str, kept: list[int], num_e
         setattr(module, attr, to_tensor(remapped, table))
 
 
-def _cut_routing_tensors(layer: MoELayer, kept: list[int], num_experts: int) -> None:
+def _cut_routing_tensors(
+    layer: MoELayer, kept: list[int], num_experts: int, done: set[int]
+) -> None:
     """Per-expert tensors of the router (any depth) and of the block (direct) not
-    named like the classic router rows: leading-dim rows of the router, expert-count
-    vectors (``[E]``, ``[1, E]``) of either, token -> expert tables."""
+    cut yet (``done``: ids of those cut as router rows): leading-dim rows of the router,
+    expert-count vectors (``[E]``, ``[1, E]``) of either, token -> expert tables."""
     from .wholeness import is_table, routing_tensors
 
     index = torch.tensor(kept, dtype=torch.long)
     for name, module, attr, tensor in list(routing_tensors(layer)):
-        if tensor.device.type == "meta":
+        if tensor.device.type == "meta" or id(tensor) in done:
             continue
         if is_table(tensor):
             _remap_table(name, module, attr, kept, num_experts)
             continue
-        # not per expert, already cut, or ambiguous: None (the wholeness check names it)
+        # no expert axis (not per expert) or already cut: None
         dim = cut_dim(tensor.shape, num_experts, "router" if module is not layer.block else "block")
         if dim is not None:
             _select_dim(module, attr, index, dim)
@@ -135,16 +139,20 @@ def prune_layer(layer: MoELayer, kept: list[int], num_experts: int) -> None:
     else:
         _prune_fused_experts(experts, index, num_experts)
     router = layer.router
-    for attr in _ROUTER_ROW_TENSORS:
-        _select_rows(router, attr, index, num_experts)
+    cut = [
+        (router, attr)
+        for attr in _ROUTER_ROW_TENSORS
+        if _select_rows(router, attr, index, num_experts)
+    ]
     if layer.extra_rows:  # trailing non-expert rows (shared-expert logits) stay
         total = num_experts + layer.extra_rows
         rows = torch.cat([index, torch.arange(num_experts, total)])
-        for attr in ("weight", "bias"):
-            _select_rows(router, attr, rows, total)
+        cut += [(router, a) for a in ("weight", "bias") if _select_rows(router, a, rows, total)]
     # some families keep the correction bias on the block itself
-    _select_rows(layer.block, "e_score_correction_bias", index, num_experts)
-    _cut_routing_tensors(layer, kept, num_experts)
+    if _select_rows(layer.block, "e_score_correction_bias", index, num_experts):
+        cut.append((layer.block, "e_score_correction_bias"))
+    # never cut twice (kept + shared rows may equal the old count)
+    _cut_routing_tensors(layer, kept, num_experts, {id(getattr(m, a)) for m, a in cut})
     for module in (layer.block, *router.modules(), experts):
         _update_module_counts(module, len(kept), num_experts)
 

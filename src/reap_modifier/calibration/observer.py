@@ -48,6 +48,7 @@ import torch
 
 from ..models import MoEArchitecture, MoELayer
 from ..scores import ExpertScores
+from ..wholeness import sample_rows
 from .accumulator import LayerAccumulator, norms64
 from .tokens import BatchTokens, BatchTokenTracker
 
@@ -97,6 +98,9 @@ class SaliencyObserver:
         self._block_tokens: dict[str, tuple[BatchTokens | None, torch.Tensor | None]] = {}
         #: the first calibration sample's ids (``[1, <=16]``): the wholeness check's forward
         self.sample_ids: torch.Tensor | None = None
+        #: a few tokens of each MoE block's first input: the wholeness check runs the
+        #: pruned block on them (models whose forward takes hidden states, not ids)
+        self.block_inputs: dict[str, torch.Tensor] = {}
 
     @property
     def pipeline_batches(self) -> int:
@@ -133,6 +137,8 @@ class SaliencyObserver:
     def _block_pre(self, name: str, module, args: tuple, kwargs: dict):
         hidden = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values()), None))
         lead = tuple(hidden.shape[:-1]) if isinstance(hidden, torch.Tensor) else ()
+        if lead and name not in self.block_inputs:
+            self.block_inputs[name] = sample_rows(hidden)
         tokens = self._batches.current(strict=True)
         valid = None
         if tokens is not None:

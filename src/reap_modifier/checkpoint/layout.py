@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..models.config_keys import COUNT_KEYS, N_GROUP_KEYS, TOP_K_KEYS, TOPK_GROUP_KEYS
-from ..models.expert_tensors import cut_dim, left_behind, per_expert_vector
+from ..models.expert_tensors import cut_dim, left_behind, unknown_count
 from .errors import CheckpointError
 from .safetensors_header import _ST_DTYPE_BYTES, ShardHeader, TensorEntry, read_safetensors_header
 
@@ -363,7 +363,7 @@ def _classify_block(
             {"experts": block.fused, "router": block.router, "block": block.vectors}[scope].append(
                 name
             )
-        elif _left_behind(entry.shape, E, scope, rel):
+        elif _unknown(entry.shape, E, scope, rel):
             block.uncut.append(name)
     return block
 
@@ -379,17 +379,14 @@ def _submodule_weight(scope: str, rel: str) -> bool:
     return scope == "block" and "." in rel and rel.rsplit(".", 1)[1] == "weight"
 
 
-def _left_behind(shape, count: int, scope: str, rel: str) -> bool:
-    """:func:`left_behind`, except for a tensor of a submodule of the block (``rel`` has a
-    dot) that is neither experts, router nor shared expert: only a per-expert vector there
-    is per expert (ERNIE's ``moe_statics``); a matrix whose width happens to equal the
-    expert count (Kimi K3's latent ``routed_expert_up_proj`` ``[hidden, latent]`` with
-    latent = E) is not. The modifier's in-memory check sees only the block's own tensors."""
-    if _submodule_weight(scope, rel):
-        return False
-    if scope == "block" and "." in rel:
-        return per_expert_vector(shape, count)
-    return left_behind(shape, count, scope)
+def _unknown(shape, count: int, scope: str, rel: str) -> bool:
+    """:func:`unknown_count` (the expert count in a dimension no rule cuts: refused, as no
+    forward proves the checkpoint), except for a tensor of a submodule of the block
+    (``rel`` has a dot) that is neither experts, router nor shared expert: only its
+    per-expert vectors are per expert (ERNIE's ``moe_statics``), its other tensors are
+    that module's own (Kimi K3's latent ``routed_expert_up_proj`` ``[hidden, latent]``
+    with latent = E)."""
+    return not (scope == "block" and "." in rel) and unknown_count(shape, count, scope)
 
 
 def scan_moe_blocks(
@@ -475,12 +472,18 @@ def left_behind_in(
     block: MoEBlock, shapes: Mapping[str, tuple[int, ...]], old_count: int
 ) -> list[str]:
     """The wholeness rule on a block's tensors after a cut (``shapes``: name -> shape of
-    the output): each router, block or fused tensor that still has ``old_count``."""
+    the output): each router, block or fused tensor whose expert axis still has
+    ``old_count`` (the router weight with trailing shared-expert rows is checked by
+    :func:`check_block`, whose count it knows)."""
     out = []
     for name, scope in sorted(block.scopes.items()):
         if scope in ("per_expert", "shared") or name in block.tables or name not in shapes:
             continue
-        if _left_behind(shapes[name], old_count, scope, name[len(block.prefix) + 1 :]):
+        if block.extra_rows and name == block.router_weight:
+            continue
+        if _submodule_weight(scope, name[len(block.prefix) + 1 :]):
+            continue
+        if left_behind(shapes[name], old_count, scope):
             out.append(
                 f"{name}: shape {list(shapes[name])} still has {old_count} experts ({scope} tensor)"
             )

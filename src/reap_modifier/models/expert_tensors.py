@@ -1,24 +1,30 @@
-"""Which tensors of a MoE block hold one entry per routed expert, and which a cut left
-behind: the rule in-memory surgery, :mod:`reap_modifier.wholeness` and the checkpoint
-rewriter share. Shapes and dtypes only (no torch, no model), so the offline rewriter
-judges a checkpoint's tensors exactly as the modifier judges a model's.
+"""Which tensors of a MoE block hold one entry per routed expert, along which axis, and
+which a cut left behind: the rule in-memory surgery, :mod:`reap_modifier.wholeness` and
+the checkpoint rewriter share. Shapes and dtypes only (no torch, no model), so the
+offline rewriter judges a checkpoint's tensors exactly as the modifier judges a model's.
 
-Where a tensor lives decides what it may be:
+A tensor's expert axis is known from where it lives, never from a size that happens to
+equal the expert count (a hidden size, head dim, latent width or vocabulary may equal
+it):
 
+``experts``
+    fused experts (``experts.gate_up_proj`` ``[E, ...]``, their packed weights and
+    scales): the leading axis;
 ``router``
-    the router module and everything under it (``gate.*``, ``router.*``): its rows
-    (leading dim = experts) are cut, as is a per-expert vector of any rank;
+    the router module and everything under it (``gate.*``, ``router.*``): its output
+    axis leads (the logits weight ``[E, hidden]`` even when ``hidden == E``, the bias,
+    ``e_score_correction_bias``), or a per-expert vector ``[1, E]``;
 ``block``
     a tensor of the MoE block itself, or (on disk) of a submodule that is neither the
     experts, the router nor a shared expert (ERNIE's ``moe_statics``): only a per-expert
-    vector (``[E]``, ``[1, E]``, ``[E, 1]``) is cut;
-``experts``
-    fused experts (``experts.gate_up_proj`` ``[E, ...]``): the leading dim is cut.
+    vector (``[E]``, ``[1, E]``, ``[E, 1]``), the one shape a block keeps per expert.
 
 An integer tensor of the router or the block is a token -> expert table (hash routing).
-After the cut, a router or block tensor with the old count in any dimension, or a fused
-expert tensor with it in the leading one, was left behind: the caller names it and
-writes nothing.
+After the cut, a tensor whose known expert axis still has the old count was left
+behind: the caller names it and writes nothing. A tensor with the count in some
+dimension but no known expert axis (``[E, 3]`` on the block) is not per expert by this
+rule: the modifier's forward proof judges it in memory; the offline rewriter, which runs
+no forward, refuses it (:func:`unknown_count`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ __all__ = [
     "hash_routed_message",
     "left_behind",
     "per_expert_vector",
+    "unknown_count",
 ]
 
 SCOPES = ("router", "block", "experts")
@@ -50,27 +57,31 @@ def per_expert_vector(shape: Sequence[int], count: int) -> bool:
 
 
 def cut_dim(shape: Sequence[int], count: int, scope: str) -> int | None:
-    """The dimension along which a tensor in ``scope`` holds one entry per expert and is
-    cut to the kept experts, or ``None`` (not per expert, or ambiguous: then
-    :func:`left_behind` names it if it keeps ``count`` somewhere)."""
+    """The expert axis of a tensor in ``scope`` of a block with ``count`` experts: the
+    dimension it is cut along to the kept experts, or ``None`` (not per expert). Sizes
+    elsewhere never count: a router weight ``[E, E]`` (hidden = E) is cut on its rows."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
-    dims = expert_dims(shape, count)
-    if scope == "experts":
-        return 0 if shape and shape[0] == count else None
-    if len(dims) != 1:
+    if not shape:
         return None
-    if per_expert_vector(shape, count) or (scope == "router" and dims[0] == 0):
-        return dims[0]
-    return None
+    if scope in ("experts", "router") and shape[0] == count:
+        return 0
+    if scope == "experts" or not per_expert_vector(shape, count):
+        return None
+    return expert_dims(shape, count)[0]
 
 
 def left_behind(shape: Sequence[int], old_count: int, scope: str) -> bool:
-    """Whether a tensor of a pruned block still has the old expert count where a cut
-    would have removed it (the wholeness rule)."""
-    if scope == "experts":
-        return bool(shape) and shape[0] == old_count
-    return old_count in tuple(shape)
+    """Whether a tensor still has the old expert count on its expert axis (the wholeness
+    rule): :func:`cut_dim` would still cut it."""
+    return cut_dim(shape, old_count, scope) is not None
+
+
+def unknown_count(shape: Sequence[int], count: int, scope: str) -> bool:
+    """A tensor with ``count`` in some dimension and no expert axis by :func:`cut_dim`:
+    per expert or not, no rule says (``[E, 3]`` on the block, a router's ``[3, E]``).
+    The offline rewriter refuses such a tensor; in memory the forward proof judges it."""
+    return count in tuple(shape) and cut_dim(shape, count, scope) is None
 
 
 def hash_routed_message(family: str, model_class: str | None, layer: str, table: str) -> str:
