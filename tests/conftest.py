@@ -41,6 +41,22 @@ def make_dataset(samples: list[torch.Tensor]):
     return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]})
 
 
+def calibrate(model, modifier, samples: list[torch.Tensor], vocab: int, **kw) -> None:
+    """``oneshot`` with one modifier over ``samples`` in order (the word-level tokenizer as the
+    processor); ``kw`` goes to ``oneshot`` (pipeline, batch size, ...)."""
+    from llmcompressor import oneshot
+
+    oneshot(
+        model=model,
+        recipe=[modifier],
+        processor=make_tokenizer(vocab),
+        dataset=make_dataset(samples),
+        num_calibration_samples=len(samples),
+        shuffle_calibration_samples=False,
+        **kw,
+    )
+
+
 def calibration_samples(
     vocab: int = 128, n: int = 6, seq: int = 12, seed: int = 0
 ) -> list[torch.Tensor]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_dataset, make_tokenizer
+from conftest import calibrate, make_tokenizer
 from test_saliency_oracle import observe
 from tiny_models import FAMILIES, batch_invariant_numerics, build_tiny, reload_class
 
@@ -77,19 +77,9 @@ def test_padded_positions_never_count_direct(family):
 
 
 def _oneshot(family, path, samples, vocab, **kw):
-    from llmcompressor import oneshot
-
     model = reload_class(family).from_pretrained(path, dtype=torch.float64).eval()
     modifier = REAPPruningModifier(sparsity=0.5)
-    oneshot(
-        model=model,
-        recipe=[modifier],
-        processor=make_tokenizer(vocab),
-        dataset=make_dataset(samples),
-        num_calibration_samples=len(samples),
-        shuffle_calibration_samples=False,
-        **kw,
-    )
+    calibrate(model, modifier, samples, vocab, **kw)
     return modifier
 
 

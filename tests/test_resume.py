@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import calibration_samples, make_dataset, make_tokenizer
+from conftest import calibrate, calibration_samples
 from loguru import logger
 from tiny_models import build_tiny, reload_class
 
@@ -53,8 +53,6 @@ def _run(
     src, out, checkpoint_dir, samples, vocab, family=FAMILY, pipeline_kw=None, **recipe
 ) -> dict:
     """One oneshot; the kept ids, the scores and the log lines about resuming."""
-    from llmcompressor import oneshot
-
     out = Path(out)
     model = reload_class(family).from_pretrained(src).eval()
     recipe.setdefault("num_experts_to_keep", 4)
@@ -66,16 +64,7 @@ def _run(
     lines: list[str] = []
     sink = logger.add(lambda m: lines.append(str(m)), level="INFO")
     try:
-        oneshot(
-            model=model,
-            recipe=[modifier],
-            processor=make_tokenizer(vocab),
-            dataset=make_dataset(samples),
-            num_calibration_samples=len(samples),
-            shuffle_calibration_samples=False,
-            pipeline="sequential",
-            **(pipeline_kw or {}),
-        )
+        calibrate(model, modifier, samples, vocab, pipeline="sequential", **(pipeline_kw or {}))
     finally:
         try:
             logger.remove(sink)
