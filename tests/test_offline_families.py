@@ -86,7 +86,9 @@ def offline_flow(family: str, root: Path, model=None) -> float:
     extra = ROUTING[family].extra_rows
     E = int(router_and_biases(next(iter(blocks.values())), family)[0].shape[0]) - extra
     dropped = {name: sorted(set(range(E)) - set(kept[_layer(name)])) for name in blocks}
-    for block in moe_blocks(pruned, family).values():
+    pruned_blocks = moe_blocks(pruned, family)
+    assert sorted(pruned_blocks) == sorted(blocks)
+    for block in pruned_blocks.values():
         assert router_and_biases(block, family)[0].shape[0] == KEEP + extra
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(5))
 
