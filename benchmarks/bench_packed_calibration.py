@@ -19,6 +19,7 @@ is reported with the RSS it had reached, instead of taking the machine down.
 Target: peak RSS of ``layer`` <= packed checkpoint + one dense MoE layer + 1 GiB.
 Then a K3-scale extrapolation (labelled as such) of memory per rank for 8 ranks.
 
+    python benchmarks/bench_packed_calibration.py --size medium  # minutes: 0.37 GiB packed
     python benchmarks/bench_packed_calibration.py                # 1.3 GB packed, 4.8 GB dense
     python benchmarks/bench_packed_calibration.py --size large   # 4.3 GB packed, 16.3 GB dense
 """
@@ -45,6 +46,11 @@ GIB = 1024**3
 SIZES = {
     # seconds, for trying the script: 2 MoE layers x 64 experts of 3 x 256 x 256
     "smoke": dict(hidden=256, latent=256, inter=256, experts=64, moe_layers=2, top_k=4, vocab=512),
+    # minutes: 6 MoE layers x 128 experts of 3 x 512 x 512, top-4: 323 MiB packed, one MoE
+    # layer's experts dense 192 MiB
+    "medium": dict(
+        hidden=1024, latent=512, inter=512, experts=128, moe_layers=6, top_k=4, vocab=4096
+    ),
     # 8 MoE layers x 384 experts of 3 x 512 x 512, top-4: 1.28 GB packed experts, 4.8 GB dense
     "default": dict(
         hidden=1024, latent=512, inter=512, experts=384, moe_layers=8, top_k=4, vocab=4096

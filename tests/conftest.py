@@ -76,6 +76,21 @@ def save_and_reload(model, family: str, path: Path):
 
 
 @pytest.fixture(scope="session")
+def corpora() -> Path:
+    """The built corpora (``data/``, from ``scripts/build_corpora.py``): the test is skipped
+    without them, and fails instead when ``REAP_REQUIRE_CORPORA=1`` (``scripts/test.sh``
+    builds them first and sets it, so CI always runs the corpus checks)."""
+    from reap_modifier.demo import data as D
+
+    if not D.corpora_available():
+        message = "corpora not built: run `python scripts/build_corpora.py`"
+        if os.environ.get("REAP_REQUIRE_CORPORA") == "1":
+            pytest.fail(f"{message} (REAP_REQUIRE_CORPORA=1)")
+        pytest.skip(message)
+    return D.default_data_dir()
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()
 

@@ -1,8 +1,10 @@
 """The whole user flow for one family: tiny model -> ``oneshot`` +
 ``REAPPruningModifier(sparsity=0.5)`` (default sequential pipeline) -> ``output_dir``
 -> ``from_pretrained`` -> logits equal to the unpruned model with the dropped experts
-masked out of routing (:mod:`generic_oracle`). A refusal must come before anything is
-written to ``output_dir``."""
+masked out of routing (:mod:`generic_oracle`, whose routers and biases come from the
+hand-written :mod:`family_routing`). A refusal must come before anything is written to
+``output_dir``. Discovery (``find_moe_architecture``) is called only to report what the
+product found (the coverage table's router / experts / count key columns)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import torch
 from conftest import calibration_samples, make_dataset
+from family_routing import moe_blocks, spread_biases_
 from family_zoo import build_family
 from generic_oracle import generic_masked_routing
 
@@ -34,9 +37,10 @@ class FlowResult:
     router: str = ""
     experts: str = ""
     written: list[str] = dataclasses.field(default_factory=list)
-    #: the pruned MoE blocks' module names
+    #: the MoE blocks' module names the product found
     moe_layers: list[str] = dataclasses.field(default_factory=list)
-    #: tensors (parameters and buffers, by module path) outside the pruned MoE blocks,
+    #: tensors (parameters and buffers, by module path) outside the MoE blocks (by
+    #: :mod:`family_routing`),
     #: and those of them that differ between the reloaded source and pruned checkpoints
     outside: list[str] = dataclasses.field(default_factory=list)
     changed_outside: list[str] = dataclasses.field(default_factory=list)
@@ -61,6 +65,7 @@ def run_family(
 
     result = FlowResult(family)
     model, vocab = build_family(family, seed=13, **overrides)
+    spread_biases_(model, family)
     result.model_class = type(model).__name__
     src = root / f"{family}-src"
     model.save_pretrained(src)
@@ -99,16 +104,15 @@ def run_family(
         name: sorted(set(range(plan.num_experts)) - set(kept)) for name, kept in plan.kept.items()
     }
     source = cls.from_pretrained(src, dtype=torch.float32).eval()
-    src_arch = find_moe_architecture(source)
     with torch.no_grad():
         plain = source(input_ids=ids, use_cache=False).logits
-        with generic_masked_routing(src_arch, dropped):
+        with generic_masked_routing(source, family, dropped):
             expected = source(input_ids=ids, use_cache=False).logits
         pruned = cls.from_pretrained(dst, dtype=torch.float32).eval()
         got = pruned(input_ids=ids, use_cache=False).logits
     assert not torch.equal(plain, expected), f"{family}: masking changed nothing"
     result.status = "pruned"
-    blocks = tuple(name + "." for name in result.moe_layers)
+    blocks = tuple(name + "." for name in moe_blocks(source, family))
     before, after = source.state_dict(), pruned.state_dict()
     result.outside = [k for k in before if not k.startswith(blocks)]
     result.changed_outside = [

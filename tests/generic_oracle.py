@@ -1,10 +1,15 @@
 """Masked routing for any family: the unpruned model with some experts removed from
-routing, without a hand-written router per family.
+routing, without a hand-written router forward per family.
+
+Which modules are the MoE blocks, and where their router weight and per-expert biases
+live, comes from the hand-written table :data:`family_routing.ROUTING`, never from the
+product's discovery: a router or bias the pruner gets wrong then shows as a logits
+difference instead of being masked the same wrong way.
 
 Inside each listed MoE block's forward, a torch-function mode follows the router's
 weight (and every cast / view / transpose of it) and adds ``-inf`` to the logits of the
 dropped experts wherever that weight enters a matmul; every per-expert routing vector
-of the block named ``*bias*`` (router bias, ``e_score_correction_bias``, ``expert_bias``,
+the table names (router bias, ``e_score_correction_bias``, ``expert_bias``,
 ``[1, E]`` statics) gets ``-inf`` at the dropped experts for the same forward. So a
 softmax router gives them probability 0, a sigmoid router selection score ``-inf``
 (their weight is never gathered), and a grouped router scores groups over kept
@@ -16,6 +21,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from family_routing import ROUTING, moe_blocks, router_and_biases
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -62,31 +68,33 @@ class _MaskRouterLogits(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def generic_masked_routing(arch, dropped: dict[str, list[int]]):
-    """Route every MoE layer of ``arch`` (a located architecture of the unpruned
-    model) as if its ``dropped`` experts did not exist. Asserts each router's weight
-    was seen in a matmul."""
-    from reap_modifier.wholeness import routing_tensors
-
-    saved, modes = [], []
+def generic_masked_routing(model: torch.nn.Module, family: str, dropped: dict[str, list[int]]):
+    """Route every MoE block of ``model`` (the unpruned ``family`` model) as if its
+    ``dropped`` experts (``{block path: expert ids}``) did not exist. The blocks, routers
+    and biases come from :data:`family_routing.ROUTING`, never from the product; the
+    blocks must be exactly those ``dropped`` names, every bias the table names must
+    exist on some block, and each router's weight must be seen in a matmul."""
+    blocks = moe_blocks(model, family)
+    assert sorted(blocks) == sorted(dropped), (
+        f"{family}: MoE blocks by the table {sorted(blocks)} != pruned {sorted(dropped)}"
+    )
+    extra = ROUTING[family].extra_rows
+    saved, modes, seen_biases = [], [], 0
     try:
-        for layer in arch.layers:
-            ids = dropped.get(layer.name, [])
-            E = int(layer.router_weight().shape[0]) - layer.extra_rows
-            mask = torch.zeros(E + layer.extra_rows)  # trailing non-expert rows: unmasked
-            mask[list(ids)] = float("-inf")
-            for _name, _module, attr, t in routing_tensors(layer):
-                if "bias" in attr and t.is_floating_point() and E in t.shape:
-                    dim = list(t.shape).index(E)
-                    bias_mask = mask[:E]
-                    old = t.detach().clone()
-                    shape = [1] * t.dim()
-                    shape[dim] = E
-                    with torch.no_grad():
-                        t.add_(bias_mask.view(shape).to(t.dtype))
-                    saved.append((t, old))
-            mode = _MaskRouterLogits(layer.router_weight(), mask)
-            block = layer.block
+        for name, block in blocks.items():
+            weight, biases = router_and_biases(block, family)
+            E = int(weight.shape[0]) - extra
+            mask = torch.zeros(E + extra)  # trailing non-expert rows: unmasked
+            mask[list(dropped[name])] = float("-inf")
+            for t in biases:
+                assert E in t.shape and t.is_floating_point(), (name, tuple(t.shape))
+                seen_biases += 1
+                shape = [1] * t.dim()
+                shape[list(t.shape).index(E)] = E
+                saved.append((t, t.detach().clone()))
+                with torch.no_grad():
+                    t.add_(mask[:E].view(shape).to(t.dtype))
+            mode = _MaskRouterLogits(weight, mask)
             inner = block.forward
 
             def forward(*a, _inner=inner, _mode=mode, **k):
@@ -95,6 +103,8 @@ def generic_masked_routing(arch, dropped: dict[str, list[int]]):
 
             block.forward = forward
             modes.append((block, mode))
+        if ROUTING[family].biases:
+            assert seen_biases, f"{family}: no block has {ROUTING[family].biases}"
         yield modes
         for block, mode in modes:
             assert mode.hits > 0, f"{type(block).__name__}: router weight never used in a matmul"

@@ -189,7 +189,9 @@ def test_random_is_seeded_per_layer_number():
     gen = torch.Generator().manual_seed(0 * 1_000_003 + 1)
     assert torch.equal(a["model.layers.1.mlp"], torch.rand(8, generator=gen, dtype=torch.float64))
     assert layer_number("model.layers.12.mlp") == 12
-    assert layer_number("mtp.block") == layer_number("mtp.block")  # crc32 fallback is stable
+    # no ``layers.<n>``: CRC32 of the path (binascii.crc32(b"mtp.block"), pinned)
+    assert layer_number("mtp.block") == 4157094245
+    assert layer_number("model.layers.3.mlp.layers.7.moe") == 7  # the last one
 
 
 def test_fingerprint_is_dtype_and_prefix_independent():

@@ -1,9 +1,11 @@
 """The committed ``models/tiny-k3-bilingual``: it loads, its routed experts are MXFP4
 (``mxfp4-pack-quantized``), and its held-out loss is what its model card says -- on the small eval
-slice committed with it, and (when ``data/`` has been built) on the held-out windows of the corpora."""
+slice committed with it, and on the held-out windows of the corpora (``data/``, which
+``scripts/test.sh`` builds, so CI always runs it)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -180,23 +182,27 @@ def test_routed_experts_carry_real_weight(model):
     )
 
 
-needs_data = pytest.mark.skipif(
-    not D.corpora_available(),
-    reason="held-out corpora not built; run `python scripts/build_corpora.py` to recompute the card's "
-    "held-out loss and specialisation from data (the committed-slice check above still ran)",
-)
+def _split_sha256(data_dir: Path, lang: str, split: str) -> str:
+    return hashlib.sha256(D.split_path(data_dir, lang, split).read_bytes()).hexdigest()
 
 
-@needs_data
-def test_held_out_loss_and_specialisation_match_the_card(model, tokenizer):
+def test_held_out_loss_and_specialisation_match_the_card(model, tokenizer, corpora):
+    """The card's held-out loss, perplexity and language specialisation, recomputed from the
+    corpora. On the held-out splits the card was measured on (same sha256) they must agree
+    to the card's rounding; the Debian archive serves only the newest package versions, so
+    on a rebuild that differs a small drift is allowed (and said)."""
     T = load_script()
     c = card()
     ev = c["eval"]
     readme = (MODEL / "README.md").read_text()
     rates = {}
+    same = {
+        lang: _split_sha256(corpora, lang, "eval") == c["corpora"]["splits"][f"{lang}/eval"]
+        for lang in D.LANGS
+    }
     for lang in D.LANGS:
         w = D.eval_windows(
-            D.load_split(None, lang, "eval"),
+            D.load_split(corpora, lang, "eval"),
             tokenizer,
             ev["windows_per_lang"],
             seq_len=ev["seq_len"],
@@ -204,13 +210,17 @@ def test_held_out_loss_and_specialisation_match_the_card(model, tokenizer):
         )
         nll, _ = mean_nll(model, w)
         want = ev["loss"][lang]
-        # the corpora are rebuilt from Debian / PyPI / CPython at set-up time: allow small drift
-        assert abs(nll - want) <= 0.02 * want, (lang, nll, want)
+        # the card's split: its 4-decimal figure; another build of the split: 2% drift
+        tolerance = 5e-4 if same[lang] else 0.02 * want
+        assert abs(nll - want) <= tolerance, (lang, nll, want, "same split" if same[lang] else
+                                              "the held-out split differs from the card's")  # fmt: skip
         assert f"{want:.4f}" in readme and f"{ev['ppl'][lang]:.2f}" in readme
+        assert abs(math.exp(want) - ev["ppl"][lang]) <= 0.01 * ev["ppl"][lang]
         rates[lang] = T.routing_rates(model, w)
     spec = T.specialisation(rates, "zh", "en")
+    slack = 0 if same["zh"] and same["en"] else 2
     for layer, n in c["specialisation"]["zh_over_en"].items():
-        assert abs(spec[layer] - n) <= 2, (layer, spec[layer], n)
+        assert abs(spec[layer] - n) <= slack, (layer, spec[layer], n)
     # the measured figure the card advertises: experts do specialise by language
     assert min(c["specialisation"]["zh_over_en"].values()) >= 1
 

@@ -653,19 +653,32 @@ def test_source_hash_cache(sources, tmp_path):
 
 def test_upstream_signature_change_falls_back_to_stock_writer(sources, tmp_path, monkeypatch):
     """If compressed-tensors' convert_file ever changes signature, the swap is skipped
-    (with a warning) and the stock in-memory writer produces the same checkpoint."""
+    (with a warning): every shard goes through the changed stock function, and it
+    produces the same checkpoint as the streaming writer."""
     import importlib
+
+    from loguru import logger
 
     mod = importlib.import_module("compressed_tensors.entrypoints.convert.convert_checkpoint")
     stock = mod.convert_file
+    calls = []
 
     def changed(inverse_weight_map, save_path, converters, device="cpu", extra=None):
+        calls.append(Path(save_path).name)
         return stock(inverse_weight_map, save_path, converters, device)
 
     monkeypatch.setattr(mod, "convert_file", changed)
     f = sources["fx"]["qwen3_moe"]
     plan = PruningPlan(kept={b: [0, 1, 3, 4, 6, 7] for b in f.moe_blocks}, num_experts=8)
-    a = rewrite_checkpoint(f.path, plan, tmp_path / "fallback", progress=False)
+    warnings: list[str] = []
+    sink = logger.add(warnings.append, level="WARNING", format="{message}")
+    try:
+        a = rewrite_checkpoint(f.path, plan, tmp_path / "fallback", progress=False)
+    finally:
+        logger.remove(sink)
+    # the swap was skipped: the changed function wrote every shard, and said so
+    assert sorted(calls) == sorted(p.name for p in a.glob("*.safetensors")) and calls
+    assert [w for w in warnings if "convert_file changed its signature" in w], warnings
     monkeypatch.setattr(mod, "convert_file", stock)
     b = rewrite_checkpoint(f.path, plan, tmp_path / "stream", progress=False)
     assert tensor_sha256(a) == tensor_sha256(b)

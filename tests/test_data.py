@@ -319,13 +319,7 @@ def test_build_script_reports_a_failing_command(tmp_path):
 # ----------------------------------------------------------------------------- the real corpora
 
 
-needs_data = pytest.mark.skipif(
-    not D.corpora_available(), reason="corpora not built (python scripts/build_corpora.py)"
-)
-
-
-@needs_data
-def test_real_corpora_splits_are_disjoint_and_filtered():
+def test_real_corpora_splits_are_disjoint_and_filtered(corpora):
     for lang in D.LANGS:
         ev = D.load_split(None, lang, "eval", limit=3000)
         cal = D.load_split(None, lang, "calib", limit=3000)

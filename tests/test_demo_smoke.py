@@ -13,7 +13,6 @@ import random
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -200,7 +199,6 @@ def demo_run(tmp_path_factory):
     )
     out = root / "out"
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    t0 = time.time()
     proc = subprocess.run(
         [
             sys.executable,
@@ -218,7 +216,6 @@ def demo_run(tmp_path_factory):
         text=True,
         env=env,
     )
-    elapsed = time.time() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads((out / "results.json").read_text())
     return {
@@ -227,7 +224,6 @@ def demo_run(tmp_path_factory):
         "model": model,
         "out": out,
         "results": results,
-        "elapsed": elapsed,
         "stdout": proc.stdout,
         "stderr": proc.stderr,
     }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_routing import moe_blocks, router_and_biases
 from family_zoo import build_family
 from test_saliency_oracle import _assert_stats_equal, _batches, observe
 
@@ -21,25 +22,28 @@ def _tiny_llama4():
 @torch.no_grad()
 def _brute_force(model, batches) -> dict[str, dict[str, torch.Tensor]]:
     """Per MoE block: logits = x W^T, the top-k, g = sigmoid(top logit), the expert's
-    contribution f_j(g x) from its own weights; norm = ||f_j(g x)|| / g."""
-    arch = find_moe_architecture(model)
-    inputs = {layer.name: [] for layer in arch.layers}
+    contribution f_j(g x) from its own weights; norm = ||f_j(g x)|| / g. Blocks and
+    routers by :mod:`family_routing`, the sizes from the config (not the product's
+    discovery)."""
+    blocks = moe_blocks(model, "llama4")
+    inputs = {name: [] for name in blocks}
     handles = [
-        layer.block.register_forward_pre_hook(
-            lambda m, a, name=layer.name: inputs[name].append(a[0].reshape(-1, a[0].shape[-1]))
+        block.register_forward_pre_hook(
+            lambda m, a, name=name: inputs[name].append(a[0].reshape(-1, a[0].shape[-1]))
         )
-        for layer in arch.layers
+        for name, block in blocks.items()
     ]
     for ids in batches:
         model(input_ids=ids, use_cache=False)
     for h in handles:
         h.remove()
-    E, k = arch.num_experts, arch.top_k
+    text = model.config.text_config
+    E, k = text.num_local_experts, text.num_experts_per_tok
     out = {}
-    for layer in arch.layers:
-        x = torch.cat(inputs[layer.name]).double()
-        W = layer.router.weight.double()
-        experts = layer.experts
+    for name, block in blocks.items():
+        x = torch.cat(inputs[name]).double()
+        W = router_and_biases(block, "llama4")[0].double()
+        experts = block.experts
         top, ids = (x @ W.T).topk(k, dim=-1)
         g = torch.sigmoid(top.float()).double()  # the router's sigmoid runs in float32
         stats = {s: torch.zeros(E, dtype=torch.float64) for s in ("count", "sum_weight")}
@@ -58,7 +62,7 @@ def _brute_force(model, batches) -> dict[str, dict[str, torch.Tensor]]:
                 stats["sum_norm"][j] += norm
                 stats["sum_reap"][j] += gate * norm
                 stats["max_norm"][j] = max(stats["max_norm"][j], norm)
-        out[layer.name] = stats
+        out[name] = stats
     return out
 
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_routing import ROUTING, moe_blocks, router_and_biases, spread_biases_
 from family_zoo import build_family
 from generic_oracle import generic_masked_routing
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from reap_modifier.cli import app
-from reap_modifier.models import find_moe_architecture
 
 runner = CliRunner()
 KEEP = 4  # of the zoo's 8 experts (top-k 2)
@@ -63,6 +63,7 @@ def offline_flow(family: str, root: Path, model=None) -> float:
     abs logit difference from the masked-routing oracle."""
     if model is None:
         model, _ = build_family(family, seed=13)
+        spread_biases_(model, family)
     src, dst, scores = root / "src", root / "dst", root / "l1.safetensors"
     model.save_pretrained(src)
     _run("scores", "from-weights", src, "--method", "router_l1", "-o", scores)
@@ -78,15 +79,17 @@ def offline_flow(family: str, root: Path, model=None) -> float:
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (
         info
     )
-    arch = find_moe_architecture(source)
+    blocks = moe_blocks(source, family)
     kept = {_layer(p): ids for p, ids in manifest["checkpoint"]["block_kept"].items()}
     # tied layers (DiffusionGemma's encoder and decoder) are one set of tensors on disk
-    assert sorted(kept) == sorted({_layer(layer.name) for layer in arch.layers})
-    E = arch.num_experts
-    dropped = {
-        layer.name: sorted(set(range(E)) - set(kept[_layer(layer.name)])) for layer in arch.layers
-    }
-    assert find_moe_architecture(pruned).num_experts == KEEP
+    assert sorted(kept) == sorted({_layer(name) for name in blocks})
+    extra = ROUTING[family].extra_rows
+    E = int(router_and_biases(next(iter(blocks.values())), family)[0].shape[0]) - extra
+    dropped = {name: sorted(set(range(E)) - set(kept[_layer(name)])) for name in blocks}
+    pruned_blocks = moe_blocks(pruned, family)
+    assert sorted(pruned_blocks) == sorted(blocks)
+    for block in pruned_blocks.values():
+        assert router_and_biases(block, family)[0].shape[0] == KEEP + extra
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(5))
 
     def logits(model):  # seeded: a block-diffusion forward samples its canvas noise
@@ -95,7 +98,7 @@ def offline_flow(family: str, root: Path, model=None) -> float:
 
     with torch.no_grad():
         plain = logits(source)
-        with generic_masked_routing(arch, dropped):
+        with generic_masked_routing(source, family, dropped):
             expected = logits(source)
         got = logits(pruned.eval())
     assert not torch.equal(plain, expected), f"{family}: masking changed nothing"

@@ -328,16 +328,25 @@ def test_probe_sees_a_decompressed_model(synth_k3):
 
 
 @pytest.mark.parametrize("granularity,limit", [("layer", 3 * MEM_SHAPE.experts + 1), ("expert", 2)])
-def test_peak_dense_experts_measured(synth_k3, granularity, limit):
+def test_peak_dense_experts_measured(synth_k3, granularity, limit, monkeypatch):
     """Counted from allocations (every storage of an expert weight's shape, followed until
     freed) over the whole oneshot call, loading included: at most one MoE layer's experts
-    (plus one transient) dense at a time, or at most one expert projection."""
+    (plus one transient) dense at a time, or at most one expert projection; and the freed
+    heap memory handed back at every MoE layer switch and at the end (without it glibc
+    keeps it and peak RSS grows, see docs/packed-calibration.md)."""
+    from reap_modifier.calibration import packed
+
     assert synth_k3["packed_expert_bytes"] > 10 << 20  # tens of MB packed
     tokenizer = make_tokenizer(MEM_SHAPE.vocab)
     dataset = make_dataset(calibration_samples(MEM_SHAPE.vocab, n=4, seq=32, seed=1))
+    trims = []
+    monkeypatch.setattr(packed, "return_freed_memory", lambda: trims.append(1))
     probe = LiveTensors(shaped_like(EXPERT_SHAPES))
     with probe:
         modifier, out = run_reap(synth_k3["path"], tokenizer, dataset, dequantize=granularity)
+    # the sequential pipeline: each MoE layer entered once (both passes), then detach
+    assert modifier.packed.stats.layers_entered == MEM_SHAPE.moe_layers
+    assert len(trims) == MEM_SHAPE.moe_layers + 1
     expert_bytes = MEM_SHAPE.latent * MEM_SHAPE.inter * 2
     assert probe.created > 0, "no expert weight was ever dequantized"
     assert probe.peak_count <= limit

@@ -4,7 +4,6 @@ keep-count rule, cutting a scores file into a plan (and how fast)."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -395,11 +394,10 @@ def test_select_experts_matches_plan_on_random_scores():
         assert plan.kept[layer] == select_experts(sal, 24)
 
 
-def test_cut_92x896_is_fast(tmp_path):
+def test_cut_92x896(tmp_path):
+    """A K3-sized scores file: load + cut + save (its speed: ``benchmarks/bench_cut.py``)."""
     path = big_scores().save(tmp_path / "big.scores")
-    t0 = time.perf_counter()
     plan = plan_from_scores(ExpertScores.load(path), num_experts_to_keep=448, divisible_by=8)
     plan.save(tmp_path / "plan.json")
-    dt = time.perf_counter() - t0
     assert plan.num_kept == 448 and len(plan.kept) == 92
-    assert dt < 1.0, f"load + cut + save took {dt:.3f} s"
+    assert PruningPlan.load(tmp_path / "plan.json").kept == plan.kept

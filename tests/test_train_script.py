@@ -1,6 +1,6 @@
 """``scripts/train_tiny_k3.py``: the training-time MoE forward is the model's own maths
 with gradients, and the whole script (tokenizer -> train -> MXFP4 -> model card) runs a few steps of
-a tiny configuration on a synthetic corpus in under a minute."""
+a tiny configuration on a synthetic corpus (its speed: ``benchmarks/bench_train_smoke.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -150,7 +149,6 @@ def test_script_runs_a_few_steps_on_a_tiny_config(tmp_path):
     data = synthetic_corpus(tmp_path / "data")
     out, work = tmp_path / "model", tmp_path / "work"
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    t0 = time.time()
     proc = subprocess.run(
         [
             sys.executable,
@@ -173,9 +171,7 @@ def test_script_runs_a_few_steps_on_a_tiny_config(tmp_path):
         env=env,
         timeout=280,
     )
-    elapsed = time.time() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert elapsed < 60, f"smoke run took {elapsed:.0f} s"
 
     log = [json.loads(line) for line in (work / "train_log.jsonl").read_text().splitlines()]
     steps = [r for r in log if "loss" in r]

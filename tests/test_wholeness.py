@@ -33,7 +33,7 @@ def _in_memory(family: str, kept: list[int], **overrides):
     model, vocab = build_family(family, seed=3, **overrides)
     ids = torch.randint(3, vocab, (2, 10), generator=torch.Generator().manual_seed(1))
     arch = find_moe_architecture(model)
-    with torch.no_grad(), generic_masked_routing(arch, _dropped(arch, kept)):
+    with torch.no_grad(), generic_masked_routing(model, family, _dropped(arch, kept)):
         expected = model(input_ids=ids, use_cache=False).logits
     apply_plan(model, arch, _plan(arch, kept))
     return model, arch, ids, expected
@@ -83,7 +83,7 @@ def test_hash_table_remapped_when_it_names_only_kept_experts():
     arch = find_moe_architecture(model)
     _set_hash_tables(model, arch, kept)
     ids = torch.randint(3, vocab, (2, 10), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), generic_masked_routing(arch, _dropped(arch, kept)):
+    with torch.no_grad(), generic_masked_routing(model, "deepseek_v4+hash", _dropped(arch, kept)):
         expected = model(input_ids=ids, use_cache=False).logits
     apply_plan(model, arch, _plan(arch, kept))
     table = arch.layers[0].router.tid2eid

@@ -28,6 +28,8 @@ Detaching removes every dense weight: the model is back to its packed state.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -182,6 +184,30 @@ class PackedStats:
     peak_dense_bytes: int = 0
 
 
+def return_freed_memory() -> None:
+    """Hand the heap memory that released dense weights and their dequantization
+    temporaries leave free back to the operating system (glibc only; elsewhere a no-op).
+
+    Why: glibc keeps freed heap memory for reuse, and past its first frees it serves
+    allocations of a dense expert weight's size from the heap rather than ``mmap``; a
+    layer's weights and temporaries then leave holes that the next layer's do not fill,
+    and peak RSS grew by more than one dense MoE layer over a calibration (measured in
+    docs/packed-calibration.md). ``malloc_trim(0)`` at each MoE layer switch and at the
+    end returns those pages.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 def _dtype(args: tuple) -> torch.dtype | None:
     """The dtype a linear is called with (its first positional input)."""
     return args[0].dtype if args and isinstance(args[0], torch.Tensor) else None
@@ -269,16 +295,23 @@ class PackedCompute:
     def _release_experts(self) -> None:
         for module in [m for m in self._dense if m in self._layer_of]:
             self._release(module)
+        return_freed_memory()
 
-    def _before_expert(self, module: nn.Module, dtype: torch.dtype | None = None) -> None:
-        """``layer``: an expert of another MoE layer drops the current layer's dense
-        weights; each expert is dequantized on its first call in its layer and kept
-        until then (so experts that get no tokens are never dequantized)."""
+    def _enter_layer(self, module: nn.Module) -> None:
+        """An expert of another MoE layer: drop the current layer's dense weights (none
+        are alive in ``expert`` mode) and hand the freed memory back."""
         layer = self._layer_of[module]
         if layer != self._current:
             self._release_experts()
             self._current = layer
             self.stats.layers_entered += 1
+
+    def _before_expert(self, module: nn.Module, dtype: torch.dtype | None = None) -> None:
+        """An expert of another MoE layer drops the current layer's dense weights; the
+        expert is dequantized unless it already is: ``layer`` keeps it until then (so
+        experts that get no tokens are never dequantized), ``expert`` releases it when
+        the call returns."""
+        self._enter_layer(module)
         self._materialise(module, dtype=dtype)
 
     # -- hooks ------------------------------------------------------------------------
@@ -292,17 +325,13 @@ class PackedCompute:
         for _, module in self.resident:
             self._materialise(module, expert=False)
         for module in self._layer_of:
-            if self.granularity == "layer":
-                pre = module.register_forward_pre_hook(
-                    lambda mod, args: self._before_expert(mod, _dtype(args))
-                )
-                self._handles.append(pre)
-            else:
-                pre = module.register_forward_pre_hook(
-                    lambda mod, args: self._materialise(mod, dtype=_dtype(args))
-                )
+            pre = module.register_forward_pre_hook(
+                lambda mod, args: self._before_expert(mod, _dtype(args))
+            )
+            self._handles.append(pre)
+            if self.granularity == "expert":
                 post = module.register_forward_hook(lambda mod, args, out: self._release(mod))
-                self._handles += [pre, post]
+                self._handles.append(post)
         self.attached = True
         logger.info(
             f"REAP: calibrating on packed experts ({', '.join(self.formats)}): "
@@ -319,9 +348,9 @@ class PackedCompute:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._release_experts()
         for _, module in self.resident:
             self._release(module, expert=False)
+        self._release_experts()  # and the freed memory back
         self._current = None
         if self._resume_decompress is not None:
             self._resume_decompress()
