@@ -25,7 +25,7 @@ from family_routing import ROUTING, moe_blocks, router_and_biases
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["generic_masked_routing"]
+__all__ = ["generic_masked_routing", "mask_block"]
 
 _MATMULS = {
     torch.nn.functional.linear,
@@ -67,6 +67,21 @@ class _MaskRouterLogits(TorchFunctionMode):
         return out
 
 
+def mask_block(block: torch.nn.Module, weight: torch.Tensor, mask: torch.Tensor):
+    """Run ``block``'s forward inside a mode that adds ``mask`` ([rows] of 0 / -inf) to every
+    matmul output of the router ``weight``; returns the mode (its ``hits`` count the matmuls).
+    Undo with ``block.__dict__.pop("forward")``."""
+    mode = _MaskRouterLogits(weight, mask)
+    inner = block.forward
+
+    def forward(*a, **k):
+        with mode:
+            return inner(*a, **k)
+
+    block.forward = forward
+    return mode
+
+
 @contextlib.contextmanager
 def generic_masked_routing(model: torch.nn.Module, family: str, dropped: dict[str, list[int]]):
     """Route every MoE block of ``model`` (the unpruned ``family`` model) as if its
@@ -94,15 +109,7 @@ def generic_masked_routing(model: torch.nn.Module, family: str, dropped: dict[st
                 saved.append((t, t.detach().clone()))
                 with torch.no_grad():
                     t.add_(mask[:E].view(shape).to(t.dtype))
-            mode = _MaskRouterLogits(weight, mask)
-            inner = block.forward
-
-            def forward(*a, _inner=inner, _mode=mode, **k):
-                with _mode:
-                    return _inner(*a, **k)
-
-            block.forward = forward
-            modes.append((block, mode))
+            modes.append((block, mask_block(block, weight, mask)))
         if ROUTING[family].biases:
             assert seen_biases, f"{family}: no block has {ROUTING[family].biases}"
         yield modes

@@ -23,13 +23,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 os.environ.setdefault(
     "HYPOTHESIS_STORAGE_DIRECTORY", str(Path(tempfile.gettempdir()) / "reap-modifier-hypothesis")
 )
 
 from family_zoo import build_family  # noqa: E402
+from generic_oracle import mask_block  # noqa: E402
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -44,31 +44,6 @@ SETTINGS = settings(
 
 # ---------------------------------------------------------------------------
 # the oracle: masked routing, found by structure
-
-
-_MATMULS = {F.linear, torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.__matmul__}
-
-
-class _MaskLogits(TorchFunctionMode):
-    """Adds ``mask`` to every matmul output that involves the router weight (or a cast,
-    view or transpose of it)."""
-
-    def __init__(self, weight: torch.Tensor, mask: torch.Tensor):
-        super().__init__()
-        self.tracked, self.mask, self.hits = [weight], mask, 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = [*args, *kwargs.values()]
-        if not any(any(t is w for w in self.tracked) for t in inputs):
-            return out
-        if func in _MATMULS:
-            self.hits += 1
-            return out + self.mask.to(out.device, out.dtype)
-        if isinstance(out, torch.Tensor) and out.numel() == self.tracked[0].numel():
-            self.tracked.append(out)
-        return out
 
 
 def _moe_blocks(model: nn.Module):
@@ -107,15 +82,7 @@ def masked_logits(model: nn.Module, dropped: dict[str, list[int]], call):
                     saved.append((bias, bias.detach().clone()))
                     with torch.no_grad():
                         bias.add_(mask.to(bias.dtype))
-            mode = _MaskLogits(weight, mask)
-            inner = block.forward
-
-            def forward(*a, _inner=inner, _mode=mode, **k):
-                with _mode:
-                    return _inner(*a, **k)
-
-            block.forward = forward
-            modes.append((block, mode))
+            modes.append((block, mask_block(block, weight, mask)))
         with torch.no_grad():
             out = call(model)
         assert modes and all(mode.hits for _, mode in modes), "a router weight was never used"
