@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..models.config_keys import COUNT_KEYS, N_GROUP_KEYS, TOP_K_KEYS, TOPK_GROUP_KEYS
+from ..models.moe_fields import moe_fields
 from .scores_file import BASELINE_METHODS, KIND_WEIGHTS, ExpertScores, ScoresError
 
 __all__ = [
@@ -200,40 +200,27 @@ def _checkpoint_files(checkpoint: Path) -> list[Path]:
 
 
 def read_checkpoint_config(checkpoint: str | os.PathLike) -> dict:
-    """MoE fields of ``config.json`` (nested ``text_config`` first): num_experts,
-    top_k, n_group, topk_group, model_class. Missing fields are ``None``."""
+    """MoE fields of ``config.json`` (:func:`reap_modifier.models.moe_fields.moe_fields`):
+    num_experts, n_shared_experts, top_k, n_group, topk_group, model_class. Missing
+    fields are ``None``."""
     checkpoint = Path(checkpoint)
     folder = checkpoint if checkpoint.is_dir() else checkpoint.parent
     path = folder / "config.json"
     if not path.is_file():
-        return {
-            "num_experts": None,
-            "n_shared_experts": None,
-            "top_k": None,
-            "n_group": None,
-            "topk_group": None,
-            "model_class": None,
-        }
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ScoresError(f"{path} is not valid JSON: {exc}") from exc
-    text = config.get("text_config") or {}
-
-    def first(keys):
-        for cfg in (text, config):
-            for key in keys:
-                if isinstance(cfg.get(key), int) and not isinstance(cfg.get(key), bool):
-                    return int(cfg[key])
-        return None
-
+        config = {}
+    else:
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ScoresError(f"{path} is not valid JSON: {exc}") from exc
+    fields = moe_fields(config)
     archs = config.get("architectures") or [None]
     return {
-        "num_experts": first(COUNT_KEYS),
-        "n_shared_experts": first(("n_shared_experts", "num_shared_experts")),
-        "top_k": first(TOP_K_KEYS),
-        "n_group": first(N_GROUP_KEYS),
-        "topk_group": first(TOPK_GROUP_KEYS),
+        "num_experts": fields.num_experts,
+        "n_shared_experts": fields.n_shared_experts,
+        "top_k": fields.top_k,
+        "n_group": fields.n_group,
+        "topk_group": fields.topk_group,
         "model_class": archs[0],
     }
 
