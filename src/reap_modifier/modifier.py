@@ -4,7 +4,8 @@ A drop-in superset of llm-compressor 0.14's modifier of the same name: ``sparsit
 keeps upstream's count and ``report_path`` its format; ``ignore`` matches as upstream's
 but is refused when it would leave some MoE layers unpruned; ``propagate_pruned: true``
 keeps upstream's experts. Scores, plans, manifests, other saliency criteria,
-``divisible_by`` and seven MoE families are added (docs/upstream-compatibility.md).
+``divisible_by`` and MoE families beyond upstream's (docs/families.md) are added
+(docs/upstream-compatibility.md).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from loguru import logger
 
 from ..models.config_keys import group_limit
+from .errors import PlanError
 
 __all__ = [
     "KeepCount",
@@ -43,10 +44,6 @@ __all__ = [
     "keep_count_for_scores",
     "sparsity_to_keep",
 ]
-
-
-class PlanError(ValueError):
-    """The requested keep count or plan is invalid for this model."""
 
 
 @dataclass(frozen=True)

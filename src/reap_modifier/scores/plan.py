@@ -20,7 +20,8 @@ from loguru import logger
 from ..fileio import write_json_atomic
 from ..models.config_keys import group_limit
 from .belongs import ModelFacts, check_scores_belong, routed_counts
-from .keep_count import KeepCount, PlanError, compute_keep_count, group_args
+from .errors import PlanError
+from .keep_count import KeepCount, compute_keep_count, group_args
 from .scores_file import ScoresError
 
 __all__ = [
