@@ -20,8 +20,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..models.config_keys import ROUTER_ATTRS
 from ..models.expert_tensors import cut_dim, left_behind, per_expert_vector
 from ..models.moe_fields import NESTED_CONFIGS, config_sections, config_value, moe_fields
+from ..models.tensor_names import ROUTER_WEIGHT_RE, layer_index
 from .errors import CheckpointError
 from .safetensors_header import _ST_DTYPE_BYTES, ShardHeader, TensorEntry, read_safetensors_header
 
@@ -48,18 +50,13 @@ __all__ = [
 COUNT_KEY_CONTAINERS = NESTED_CONFIGS
 QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")
 #: module names (directly under a MoE block) whose tensors are router rows
-ROUTER_MODULES = ("gate", "router")
+ROUTER_MODULES = ROUTER_ATTRS
 #: the one safetensors file of an unindexed checkpoint
 SINGLE_FILE_NAME = "model.safetensors"
 
 PER_EXPERT_RE = re.compile(r"^(?P<block>.+)\.experts\.(?P<idx>\d+)\.(?P<rest>.+)$")
 FUSED_RE = re.compile(r"^(?P<block>.+)\.experts\.(?P<rest>[^.\d][^.]*(?:\..+)?)$")
 MODULE_EXPERT_RE = re.compile(r"^(?P<block>.+)\.experts\.(?P<idx>\d+)(?P<rest>(?:\..+)?)$")
-#: a router's logits weight, directly or one module down (``gate.weight``,
-#: ``router.layer.weight``, ``router.gate.weight``, ``gate.wg.weight``)
-ROUTER_WEIGHT_RE = re.compile(
-    r"^(?P<block>.+?)\.(?:{})\.(?:[^.]+\.)?weight$".format("|".join(ROUTER_MODULES))
-)
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(?P<idx>\d+)\.(?P<container>.+)$")
 
 
@@ -96,8 +93,7 @@ class MoEBlock:
 
     @property
     def layer_index(self) -> int | None:
-        m = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", self.prefix)
-        return int(m.group(1)) if m else None
+        return layer_index(self.prefix)
 
     def rows_for(self, name: str, kept: list[int]) -> list[int]:
         """The entries of tensor ``name`` (a cut tensor) that survive keeping ``kept``:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import zlib
 from pathlib import Path
 
@@ -44,6 +43,7 @@ import torch
 from safetensors import safe_open
 
 from ..models.moe_fields import moe_fields
+from ..models.tensor_names import ROUTER_WEIGHT_RE, layer_index
 from .scores_file import BASELINE_METHODS, KIND_WEIGHTS, ExpertScores, ScoresError
 
 __all__ = [
@@ -59,19 +59,14 @@ __all__ = [
     "scores_from_weights",
 ]
 
-#: ``<block>.gate.weight`` / ``<block>.router.weight``, or one module down
-#: (``router.layer.weight``, ``router.gate.weight``, ``gate.wg.weight``); never
-#: ``gate_proj`` or ``shared_expert_gate``: the module must be exactly gate/router
-ROUTER_NAME_RE = re.compile(r"^(?P<layer>.+?)\.(?:gate|router)\.(?:[^.]+\.)?weight$")
-_LAYER_NUM_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+#: a router's logits weight (:data:`reap_modifier.models.tensor_names.ROUTER_WEIGHT_RE`)
+ROUTER_NAME_RE = ROUTER_WEIGHT_RE
 
 
 def layer_number(layer: str) -> int:
     """The layer number in a module path (last ``layers.<n>``), else CRC32 of the path."""
-    found = _LAYER_NUM_RE.findall(layer)
-    if found:
-        return int(found[-1])
-    return zlib.crc32(layer.encode())
+    index = layer_index(layer)
+    return index if index is not None else zlib.crc32(layer.encode())
 
 
 def _check_router(layer: str, weight: torch.Tensor) -> torch.Tensor:
@@ -265,7 +260,7 @@ def read_router_weights(
                     if len(shape) == 3:
                         stacked.add(f"{name}:{shape[0]}")
                     if m is not None and len(shape) == 2:
-                        found[m.group("layer")] = (file, name, shape)
+                        found[m.group("block")] = (file, name, shape)
         except ScoresError:
             raise
         except Exception as exc:
