@@ -483,7 +483,7 @@ def _(env, tmp):
     return Expect(
         _prune_scores(env, tmp, env.kimi_scores),
         2,
-        ["kimi_k3.scores.safetensors", "is for 16 experts", "the checkpoint has 8"],
+        ["kimi_k3.scores.safetensors", "holds 16 experts per layer", "the checkpoint has 8"],
     )
 
 

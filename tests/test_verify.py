@@ -206,3 +206,12 @@ def test_source_changed(pruned, tmp_path):
         fh.seek(-1, 2)
         fh.write(bytes([b[0] ^ 0xFF]))
     _fails(pruned["dst"], src, match=f"source shard {shard}: sha256")
+
+
+def test_top_k_under_any_known_key(copy):
+    # moe_k (one of the top-k keys of models/config_keys.py), read at the top level before
+    # text_config: a top-k above the expert count is refused whatever key states it
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["moe_k"] = 12
+    (copy / "config.json").write_text(json.dumps(cfg))
+    _fails(copy, match="top-k 12 exceeds the expert count 8")

@@ -4,7 +4,8 @@ A drop-in superset of llm-compressor 0.14's modifier of the same name: ``sparsit
 keeps upstream's count and ``report_path`` its format; ``ignore`` matches as upstream's
 but is refused when it would leave some MoE layers unpruned; ``propagate_pruned: true``
 keeps upstream's experts. Scores, plans, manifests, other saliency criteria,
-``divisible_by`` and seven MoE families are added (docs/upstream-compatibility.md).
+``divisible_by`` and MoE families beyond upstream's (docs/families.md) are added
+(docs/upstream-compatibility.md).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from .models.refusals import check_prunable, check_traced
 from .router_fit import FIT_METHOD, RouterFitError, fit_router, router_fit_problem
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
 from .scores.baselines import baseline_saliency, baseline_scores, layer_number, model_fingerprint
-from .scores.keep_count import KeepCount, PlanError, compute_keep_count
+from .scores.belongs import ModelFacts, check_scores_belong, routed_counts
+from .scores.keep_count import KeepCount, PlanError, check_keep_spec, compute_keep_count
 from .scores.plan import PruningPlan, check_propagated_cut, cut_plan
 from .surgery import apply_plan, check_plan_fits, update_config_counts
 from .wholeness import check_whole
@@ -214,11 +216,9 @@ class REAPPruningModifier(Modifier):
             ]
             if given:
                 raise ValueError(f"plan_in fixes the kept experts; remove {', '.join(given)}")
-        elif (self.sparsity is None) == (self.num_experts_to_keep is None):
-            raise ValueError(
-                "give exactly one of `sparsity` (fraction to drop) or "
-                "`num_experts_to_keep`"
-                + (" (both were given)" if self.sparsity is not None else "")
+        else:
+            check_keep_spec(
+                self.num_experts_to_keep, self.sparsity, "`num_experts_to_keep`", "`sparsity`"
             )
         if self.scores_in is not None and self.saliency in BASELINE_METHODS:
             raise ValueError(
@@ -581,23 +581,15 @@ class REAPPruningModifier(Modifier):
         """Read ``scores_in`` and check it belongs to this model (before any change)."""
         arch = self._arch
         scores = ExpertScores.load(self.scores_in)
-        if scores.num_experts != arch.num_experts:
-            raise ValueError(
-                f"scores_in {self.scores_in} holds {scores.num_experts} experts per layer; "
-                f"the model has {arch.num_experts}"
-            )
-        if set(scores.layer_names) != set(arch.layer_names):
-            missing = sorted(set(arch.layer_names) - set(scores.layer_names))[:3]
-            raise ValueError(
-                f"scores_in {self.scores_in} does not cover the model's MoE layers "
-                f"(missing e.g. {missing}); were the scores made from this model?"
-            )
-        theirs = scores.metadata.get("model_fingerprint")
-        if theirs and theirs != self._fingerprint():
-            raise ValueError(
-                f"scores_in {self.scores_in} was computed on a model with different "
-                "router weights (model_fingerprint mismatch)"
-            )
+        facts = ModelFacts(
+            num_experts=arch.num_experts,
+            layers=tuple(arch.layer_names),
+            top_k=arch.top_k,
+            n_group=arch.n_group,
+            topk_group=arch.topk_group,
+            fingerprint=self._fingerprint,
+        )
+        check_scores_belong(scores, facts, f"scores_in {self.scores_in}")
         scores.saliency(self.saliency)  # the criterion exists in this file
         propagated = scores.metadata.get("propagate_pruned")
         if propagated:
@@ -610,9 +602,8 @@ class REAPPruningModifier(Modifier):
     def _cut_from_file(self, model: torch.nn.Module, scores: ExpertScores) -> None:
         """``scores_in``: the same cut, from statistics computed elsewhere."""
         self._scores = scores
-        counts = {n: s["count"] for n, s in scores.layers.items() if "count" in s}
         propagated = scores.metadata.get("propagate_pruned")
-        self._cut(model, scores.saliency(self.saliency), counts or None, propagated)
+        self._cut(model, scores.saliency(self.saliency), routed_counts(scores), propagated)
 
     def _cut_from_weights(self, model: torch.nn.Module) -> None:
         """Calibration-free baselines from the router weights alone."""

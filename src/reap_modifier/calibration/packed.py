@@ -38,6 +38,7 @@ import torch
 from loguru import logger
 from torch import nn
 
+from ..models.moe_fields import config_sections
 from .decompress_hook import pause_decompress_hook
 
 __all__ = [
@@ -137,7 +138,7 @@ def check_checkpoint_formats(config: dict) -> None:
     :raises PackedFormatError: naming the format and the fallback
     """
     bad: dict[str, list[str]] = {}
-    for holder in (config, config.get("text_config") or {}):
+    for _, holder in config_sections(config):
         qc = holder.get("quantization_config") or holder.get("compression_config")
         if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
             continue

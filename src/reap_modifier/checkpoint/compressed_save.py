@@ -19,6 +19,7 @@ from pathlib import Path
 from loguru import logger
 from torch import nn
 
+from ..models.moe_fields import config_sections
 from ..scores.plan import PruningPlan
 
 __all__ = ["compressed_source", "route_save_through_rewriter"]
@@ -33,7 +34,7 @@ def compressed_source(model: nn.Module) -> Path | None:
     if not config_path.is_file():
         return None
     config = json.loads(config_path.read_text())
-    for holder in (config, config.get("text_config") or {}):
+    for _, holder in config_sections(config):
         qc = holder.get("quantization_config") or holder.get("compression_config")
         if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
             if qc.get("format") not in (None, "dense"):

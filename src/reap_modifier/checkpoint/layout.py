@@ -20,8 +20,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..models.config_keys import COUNT_KEYS, N_GROUP_KEYS, TOP_K_KEYS, TOPK_GROUP_KEYS
+from ..models.config_keys import ROUTER_ATTRS
 from ..models.expert_tensors import cut_dim, left_behind, unknown_count
+from ..models.moe_fields import NESTED_CONFIGS, config_sections, config_value, moe_fields
+from ..models.tensor_names import ROUTER_WEIGHT_RE, layer_index
 from .errors import CheckpointError
 from .safetensors_header import _ST_DTYPE_BYTES, ShardHeader, TensorEntry, read_safetensors_header
 
@@ -45,21 +47,16 @@ __all__ = [
 ]
 
 #: nested configs searched for count / top-k / group keys (besides the top level)
-COUNT_KEY_CONTAINERS = ("text_config", "language_config", "llm_config")
+COUNT_KEY_CONTAINERS = NESTED_CONFIGS
 QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")
 #: module names (directly under a MoE block) whose tensors are router rows
-ROUTER_MODULES = ("gate", "router")
+ROUTER_MODULES = ROUTER_ATTRS
 #: the one safetensors file of an unindexed checkpoint
 SINGLE_FILE_NAME = "model.safetensors"
 
 PER_EXPERT_RE = re.compile(r"^(?P<block>.+)\.experts\.(?P<idx>\d+)\.(?P<rest>.+)$")
 FUSED_RE = re.compile(r"^(?P<block>.+)\.experts\.(?P<rest>[^.\d][^.]*(?:\..+)?)$")
 MODULE_EXPERT_RE = re.compile(r"^(?P<block>.+)\.experts\.(?P<idx>\d+)(?P<rest>(?:\..+)?)$")
-#: a router's logits weight, directly or one module down (``gate.weight``,
-#: ``router.layer.weight``, ``router.gate.weight``, ``gate.wg.weight``)
-ROUTER_WEIGHT_RE = re.compile(
-    r"^(?P<block>.+?)\.(?:{})\.(?:[^.]+\.)?weight$".format("|".join(ROUTER_MODULES))
-)
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(?P<idx>\d+)\.(?P<container>.+)$")
 
 
@@ -96,8 +93,7 @@ class MoEBlock:
 
     @property
     def layer_index(self) -> int | None:
-        m = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", self.prefix)
-        return int(m.group(1)) if m else None
+        return layer_index(self.prefix)
 
     def rows_for(self, name: str, kept: list[int]) -> list[int]:
         """The entries of tensor ``name`` (a cut tensor) that survive keeping ``kept``:
@@ -137,23 +133,16 @@ class CheckpointLayout:
         return arch[0] if arch else self.config.get("model_type")
 
     def config_value(self, keys: Iterable[str]):
-        for container in (self.config, *(self.config.get(c) for c in COUNT_KEY_CONTAINERS)):
-            if isinstance(container, dict):
-                for key in keys:
-                    if container.get(key) is not None:
-                        return container[key]
-        return None
+        return config_value(self.config, keys)
 
     @property
     def top_k(self) -> int | None:
-        v = self.config_value(TOP_K_KEYS)
-        return int(v) if v is not None else None
+        return moe_fields(self.config).top_k
 
     @property
     def groups(self) -> tuple[int | None, int | None]:
-        n = self.config_value(N_GROUP_KEYS)
-        t = self.config_value(TOPK_GROUP_KEYS)
-        return (int(n) if n is not None else None, int(t) if t is not None else None)
+        fields = moe_fields(self.config)
+        return fields.n_group, fields.topk_group
 
     @property
     def quantization_formats(self) -> list[str]:
@@ -170,32 +159,22 @@ class CheckpointLayout:
 
 def quant_configs(config: dict) -> list[dict]:
     out = []
-    for container in (config, *(config.get(c) for c in COUNT_KEY_CONTAINERS)):
-        if isinstance(container, dict):
-            for key in QUANT_CONFIG_KEYS:
-                if isinstance(container.get(key), dict):
-                    out.append(container[key])
+    for _, container in config_sections(config):
+        for key in QUANT_CONFIG_KEYS:
+            if isinstance(container.get(key), dict):
+                out.append(container[key])
     return out
 
 
 def find_count_keys(config: dict, value: int | None = None) -> dict[str, int]:
     """Dotted paths of expert-count keys in a config dict -> their values."""
-    found = {}
-    for cname in ("", *COUNT_KEY_CONTAINERS):
-        container = config if not cname else config.get(cname)
-        if not isinstance(container, dict):
-            continue
-        for key in COUNT_KEYS:
-            v = container.get(key)
-            if isinstance(v, int) and not isinstance(v, bool) and (value is None or v == value):
-                found[f"{cname}.{key}" if cname else key] = v
-    return found
+    found = moe_fields(config).count_keys
+    return {k: v for k, v in found.items() if value is None or v == value}
 
 
 def config_count(config: dict) -> int | None:
     """The config's expert count when its count keys agree, else ``None``."""
-    values = set(find_count_keys(config).values())
-    return values.pop() if len(values) == 1 else None
+    return moe_fields(config).agreed_count
 
 
 def set_dotted(config: dict, dotted: str, value) -> None:

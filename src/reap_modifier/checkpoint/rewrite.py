@@ -17,8 +17,8 @@ What is rewritten (per MoE block, i.e. a module prefix that owns ``.experts.``):
   ``gate_up_proj`` / ``gate_up_proj_bias`` / ``*_blocks``): kept rows selected;
 - router tensors ``{block}.gate.*`` / ``{block}.router.*`` (weight, bias,
   ``e_score_correction_bias``): kept rows selected;
-- ``config.json``: every expert-count key (top level and ``text_config`` /
-  ``language_config`` / ``llm_config``) that holds the old count, and per-expert
+- ``config.json``: every expert-count key (top level and the nested text configs of
+  :mod:`reap_modifier.models.moe_fields`) that holds the old count, and per-expert
   module names in ``quantization_config`` (``ignore``, group ``targets``) renumbered
   or dropped;
 - ``model.safetensors.index.json``; all other files are copied unchanged.

@@ -41,10 +41,6 @@ class TensorEntry:
     def nbytes(self) -> int:
         return self.end - self.begin
 
-    def row_ranges(self, rows: Iterable[int]) -> list[tuple[int, int]]:
-        """Absolute byte ranges of ``rows`` along dim 0 (merged when adjacent)."""
-        return self.index_ranges(rows, 0)
-
     def index_ranges(self, index: Iterable[int], dim: int = 0) -> list[tuple[int, int]]:
         """Absolute byte ranges of the entries ``index`` along ``dim``, in storage order
         (merged when adjacent): the bytes of ``tensor.index_select(dim, index)``."""

@@ -9,13 +9,14 @@ from loguru import logger
 
 from ..fileio import write_json_atomic
 from ..models.config_keys import COUNT_KEYS
+from ..models.moe_fields import config_sections
 
 __all__ = ["fix_saved_expert_counts"]
 
 
 def fix_saved_expert_counts(config, save_dir: str) -> None:
     """Make ``save_dir/config.json`` carry the model's current expert count: every count
-    key that is present (top level and nested ``text_config``) is taken from the live
+    key that is present (top level and nested text configs) is taken from the live
     ``config``. Run after upstream's ``resave_config``
     (:func:`reap_modifier.compat.saving.patch_resave_config` says why).
     """
@@ -26,11 +27,10 @@ def fix_saved_expert_counts(config, save_dir: str) -> None:
         saved = json.load(f)
     live = config.to_dict()
     changed = False
-    for section_saved, section_live in (
-        (saved, live),
-        (saved.get("text_config"), live.get("text_config")),
-    ):
-        if not isinstance(section_saved, dict) or not isinstance(section_live, dict):
+    live_sections = dict(config_sections(live))
+    for name, section_saved in config_sections(saved):
+        section_live = live_sections.get(name)
+        if not isinstance(section_live, dict):
             continue
         for key in COUNT_KEYS:
             if key in section_saved and key in section_live:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..models.moe_fields import moe_fields
 from .binding import ExpertRemap, resolve_block
 from .byte_copy import new_hasher
 from .destination import work_dir_kind
@@ -332,11 +333,7 @@ def _check_experts(
                     continue
                 if int(m["idx"]) >= E:
                     report.fail(f"quantization_config.{key} names {item}, expert index >= {E}")
-    top_k = None
-    for c in (config, config.get("text_config") or {}):
-        for k in ("num_experts_per_tok", "num_experts_per_token", "top_k_experts"):
-            if isinstance(c, dict) and c.get(k) is not None and top_k is None:
-                top_k = int(c[k])
+    top_k = moe_fields(config).top_k
     if top_k is not None and top_k > E:
         report.fail(f"top-k {top_k} exceeds the expert count {E}")
 

@@ -52,14 +52,19 @@ def _interruptible():
 
 def _check_prune_args(scores, plan, keep, sparsity, divisible_by, output_checksum) -> None:
     """``reap prune``'s options that exclude or require each other (exit 2)."""
+    from ..scores.keep_count import PlanError, check_keep_spec
+
     if (scores is None) == (plan is None):
         fail("give exactly one of --scores (with --keep or --sparsity) or --plan")
     if plan is not None and (keep is not None or sparsity is not None or divisible_by is not None):
         fail(
             "--keep / --sparsity / --divisible-by cut a plan from --scores; they do not apply to --plan"
         )
-    if scores is not None and (keep is None) == (sparsity is None):
-        fail("with --scores give exactly one of --keep N or --sparsity S")
+    if scores is not None:
+        try:
+            check_keep_spec(keep, sparsity, "--keep N", "--sparsity S")
+        except PlanError as exc:
+            fail(exc)
     if output_checksum not in (None, "xxh3_128", "sha256"):
         fail(f"--output-checksum must be xxh3_128 or sha256, got {output_checksum!r}")
 

@@ -285,10 +285,12 @@ def cut_cmd(
     keep-count rule as the modifier. The plan is what `reap prune --plan` and the
     modifier's `plan_in:` accept."""
     from ..fileio import sha256_file
+    from ..scores.keep_count import check_keep_spec
     from ..scores.plan import plan_from_scores
 
     t0 = time.perf_counter()
     try:
+        check_keep_spec(keep, sparsity, "--keep N", "--sparsity S")
         s = _load(scores)
         plan = plan_from_scores(
             s,

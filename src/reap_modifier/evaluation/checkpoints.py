@@ -8,6 +8,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from ..models.moe_fields import config_value
+
 __all__ = ["CheckpointInputError", "check_checkpoints", "load_tokenizer", "vocab_size"]
 
 #: files that define a tokenizer's vocabulary (compared byte for byte first)
@@ -38,10 +40,9 @@ def _config(path: Path) -> dict:
 
 
 def vocab_size(cfg: dict) -> int | None:
-    for holder in (cfg, cfg.get("text_config") or {}, cfg.get("language_config") or {}):
-        if holder.get("vocab_size"):
-            return int(holder["vocab_size"])
-    return None
+    """The vocabulary size of a ``config.json`` (top level or a nested text config)."""
+    size = config_value(cfg, ("vocab_size",))
+    return int(size) if size else None
 
 
 def _vocab_hashes(path: Path) -> dict[str, str]:

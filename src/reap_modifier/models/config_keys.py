@@ -1,6 +1,6 @@
-"""MoE config keys, shared by everything that reads MoE fields from a config object or
-a ``config.json`` (architecture discovery, in-memory surgery, the checkpoint rewriter,
-the weight baselines)."""
+"""MoE config keys: every key the project knows for each MoE field.
+:func:`reap_modifier.models.moe_fields.moe_fields` reads them from a ``config.json`` or a
+config object; architecture discovery reads them from the live config."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ __all__ = [
     "EXPERTS_ATTR",
     "MODULE_COUNT_ATTRS",
     "N_GROUP_KEYS",
+    "ROUTED_SCALING_KEYS",
     "ROUTER_ATTRS",
+    "SHARED_COUNT_KEYS",
     "TOPK_GROUP_KEYS",
     "TOP_K_KEYS",
     "first_key",
@@ -32,6 +34,9 @@ TOP_K_KEYS = (
 )
 N_GROUP_KEYS = ("n_group", "num_expert_group")
 TOPK_GROUP_KEYS = ("topk_group", "top_k_group")
+#: shared (always-on) experts, and the factor routed experts' outputs are scaled by
+SHARED_COUNT_KEYS = ("n_shared_experts", "num_shared_experts")
+ROUTED_SCALING_KEYS = ("routed_scaling_factor",)
 #: attribute of a MoE block holding the router, and the one holding the experts
 ROUTER_ATTRS = ("gate", "router")
 EXPERTS_ATTR = "experts"

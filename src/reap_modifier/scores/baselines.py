@@ -36,14 +36,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import zlib
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from ..models.config_keys import COUNT_KEYS, N_GROUP_KEYS, TOP_K_KEYS, TOPK_GROUP_KEYS
+from ..models.moe_fields import moe_fields
+from ..models.tensor_names import ROUTER_WEIGHT_RE, layer_index
 from .scores_file import BASELINE_METHODS, KIND_WEIGHTS, ExpertScores, ScoresError
 
 __all__ = [
@@ -59,19 +59,14 @@ __all__ = [
     "scores_from_weights",
 ]
 
-#: ``<block>.gate.weight`` / ``<block>.router.weight``, or one module down
-#: (``router.layer.weight``, ``router.gate.weight``, ``gate.wg.weight``); never
-#: ``gate_proj`` or ``shared_expert_gate``: the module must be exactly gate/router
-ROUTER_NAME_RE = re.compile(r"^(?P<layer>.+?)\.(?:gate|router)\.(?:[^.]+\.)?weight$")
-_LAYER_NUM_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+#: a router's logits weight (:data:`reap_modifier.models.tensor_names.ROUTER_WEIGHT_RE`)
+ROUTER_NAME_RE = ROUTER_WEIGHT_RE
 
 
 def layer_number(layer: str) -> int:
     """The layer number in a module path (last ``layers.<n>``), else CRC32 of the path."""
-    found = _LAYER_NUM_RE.findall(layer)
-    if found:
-        return int(found[-1])
-    return zlib.crc32(layer.encode())
+    index = layer_index(layer)
+    return index if index is not None else zlib.crc32(layer.encode())
 
 
 def _check_router(layer: str, weight: torch.Tensor) -> torch.Tensor:
@@ -200,40 +195,27 @@ def _checkpoint_files(checkpoint: Path) -> list[Path]:
 
 
 def read_checkpoint_config(checkpoint: str | os.PathLike) -> dict:
-    """MoE fields of ``config.json`` (nested ``text_config`` first): num_experts,
-    top_k, n_group, topk_group, model_class. Missing fields are ``None``."""
+    """MoE fields of ``config.json`` (:func:`reap_modifier.models.moe_fields.moe_fields`):
+    num_experts, n_shared_experts, top_k, n_group, topk_group, model_class. Missing
+    fields are ``None``."""
     checkpoint = Path(checkpoint)
     folder = checkpoint if checkpoint.is_dir() else checkpoint.parent
     path = folder / "config.json"
     if not path.is_file():
-        return {
-            "num_experts": None,
-            "n_shared_experts": None,
-            "top_k": None,
-            "n_group": None,
-            "topk_group": None,
-            "model_class": None,
-        }
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ScoresError(f"{path} is not valid JSON: {exc}") from exc
-    text = config.get("text_config") or {}
-
-    def first(keys):
-        for cfg in (text, config):
-            for key in keys:
-                if isinstance(cfg.get(key), int) and not isinstance(cfg.get(key), bool):
-                    return int(cfg[key])
-        return None
-
+        config = {}
+    else:
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ScoresError(f"{path} is not valid JSON: {exc}") from exc
+    fields = moe_fields(config)
     archs = config.get("architectures") or [None]
     return {
-        "num_experts": first(COUNT_KEYS),
-        "n_shared_experts": first(("n_shared_experts", "num_shared_experts")),
-        "top_k": first(TOP_K_KEYS),
-        "n_group": first(N_GROUP_KEYS),
-        "topk_group": first(TOPK_GROUP_KEYS),
+        "num_experts": fields.num_experts,
+        "n_shared_experts": fields.n_shared_experts,
+        "top_k": fields.top_k,
+        "n_group": fields.n_group,
+        "topk_group": fields.topk_group,
         "model_class": archs[0],
     }
 
@@ -278,7 +260,7 @@ def read_router_weights(
                     if len(shape) == 3:
                         stacked.add(f"{name}:{shape[0]}")
                     if m is not None and len(shape) == 2:
-                        found[m.group("layer")] = (file, name, shape)
+                        found[m.group("block")] = (file, name, shape)
         except ScoresError:
             raise
         except Exception as exc:

@@ -33,19 +33,17 @@ from dataclasses import dataclass
 from loguru import logger
 
 from ..models.config_keys import group_limit
+from .errors import PlanError
 
 __all__ = [
     "KeepCount",
     "PlanError",
+    "check_keep_spec",
     "compute_keep_count",
     "group_args",
     "keep_count_for_scores",
     "sparsity_to_keep",
 ]
-
-
-class PlanError(ValueError):
-    """The requested keep count or plan is invalid for this model."""
 
 
 @dataclass(frozen=True)
@@ -64,10 +62,25 @@ def sparsity_to_keep(num_experts: int, sparsity: float) -> int:
     return num_experts - int(num_experts * sparsity)
 
 
+def check_keep_spec(
+    keep: int | None,
+    sparsity: float | None,
+    keep_name: str = "num_experts_to_keep",
+    sparsity_name: str = "sparsity",
+) -> None:
+    """Refuse unless exactly one of ``keep`` and ``sparsity`` is given; the names are the
+    caller's spelling of the two options (``--keep N``, ``num_experts_to_keep``).
+
+    :raises PlanError: both or neither were given
+    """
+    if (sparsity is None) == (keep is None):
+        given = "both were given" if keep is not None else "neither was given"
+        raise PlanError(f"give exactly one of {keep_name} or {sparsity_name} ({given})")
+
+
 def _base_count(num_experts: int, sparsity: float | None, keep: int | None) -> tuple[int, str]:
     """Step 1: the requested keep count and how to name the request in messages."""
-    if (sparsity is None) == (keep is None):
-        raise PlanError("give exactly one of sparsity or num_experts_to_keep")
+    check_keep_spec(keep, sparsity)
     if sparsity is not None:
         if not 0.0 < sparsity < 1.0:
             raise PlanError(f"sparsity must be in (0, 1), got {sparsity}")

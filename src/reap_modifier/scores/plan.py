@@ -19,7 +19,10 @@ from loguru import logger
 
 from ..fileio import write_json_atomic
 from ..models.config_keys import group_limit
-from .keep_count import KeepCount, PlanError, compute_keep_count, group_args
+from .belongs import ModelFacts, check_scores_belong, routed_counts
+from .errors import PlanError
+from .keep_count import KeepCount, compute_keep_count, group_args
+from .scores_file import ScoresError
 
 __all__ = [
     "PLAN_FORMAT",
@@ -28,6 +31,7 @@ __all__ = [
     "PruningPlan",
     "check_propagated_cut",
     "cut_plan",
+    "cut_scores",
     "plan_from_scores",
     "retained_mass",
     "select_experts",
@@ -361,26 +365,61 @@ def plan_from_scores(
     ``saliency=None`` means the file's default (``reap`` for calibration files, the
     method of a baseline file).
     """
-    name = saliency or scores.default_saliency
-    top_k, n_group, topk_group = group_args(scores.metadata)
-    counts = None
-    if all("count" in st for st in scores.layers.values()):
-        counts = {layer: st["count"] for layer, st in scores.layers.items()}
     recorded = {
         "model_class": scores.metadata.get("model_class"),
         "scores_kind": scores.kind,
     }
     recorded.update(params or {})
+    return cut_scores(
+        scores,
+        keep=num_experts_to_keep,
+        sparsity=sparsity,
+        divisible_by=divisible_by,
+        saliency=saliency,
+        params=recorded,
+    )
+
+
+def cut_scores(
+    scores,
+    facts: ModelFacts | None = None,
+    *,
+    keep: int | None = None,
+    sparsity: float | None = None,
+    divisible_by: int | None = None,
+    saliency: str | None = None,
+    source: str = "scores file",
+    params: dict | None = None,
+) -> PruningPlan:
+    """Cut ``scores`` into a plan with the keep-count rule, after checking they belong to
+    the model of ``facts``, whose top-k and groups are authoritative; without ``facts``
+    (``reap cut``) the scores' metadata gives them. ``saliency=None`` is the file's default.
+
+    :raises ScoresMismatchError: the scores were made for another model
+    :raises PlanError: the keep count is invalid for this router
+    """
+    meta = scores.metadata
+    name = saliency or scores.default_saliency
+    if facts is None:
+        top_k, n_group, topk_group = group_args(meta)
+    else:
+        check_scores_belong(scores, facts, source)
+        top_k = facts.top_k if facts.top_k is not None else meta.get("top_k")
+        if top_k is None:
+            raise ScoresError(f"neither {facts.name}'s config nor {source} states top-k")
+        n_group, topk_group = facts.n_group, facts.topk_group
+        if n_group is None:
+            n_group, topk_group = meta.get("n_group"), meta.get("topk_group")
     return cut_plan(
         scores.saliency(name),
-        counts,
+        routed_counts(scores),
         num_experts=scores.num_experts,
-        top_k=top_k,
+        top_k=int(top_k),
         groups=(n_group, topk_group),
         sparsity=sparsity,
-        keep=num_experts_to_keep,
+        keep=keep,
         divisible_by=divisible_by,
         criterion=name,
-        params=recorded,
-        propagated=scores.metadata.get("propagate_pruned"),
+        params=params,
+        propagated=meta.get("propagate_pruned"),
     )

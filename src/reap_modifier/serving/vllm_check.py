@@ -36,6 +36,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from ..models.moe_fields import config_value
 from .reference import Reference, greedy_reference, load_reference_model, make_prompts
 from .server import ServerError, VllmServer, vllm_env
 from .vllm_dtype import served_dtype
@@ -172,19 +173,14 @@ def _config(checkpoint: Path) -> dict:
 
 
 def _is_quantized(checkpoint: Path) -> str | None:
-    cfg = _config(checkpoint)
-    for holder in (cfg, cfg.get("text_config") or {}):
-        qc = holder.get("quantization_config")
-        if qc:
-            return str(qc.get("format") or qc.get("quant_method") or "quantized")
-    return None
+    qc = config_value(_config(checkpoint), ("quantization_config",))
+    return str(qc.get("format") or qc.get("quant_method") or "quantized") if qc else None
 
 
 def _vocab_size(checkpoint: Path) -> int:
-    cfg = _config(checkpoint)
-    for holder in (cfg, cfg.get("text_config") or {}, cfg.get("language_config") or {}):
-        if holder.get("vocab_size"):
-            return int(holder["vocab_size"])
+    size = config_value(_config(checkpoint), ("vocab_size",))
+    if size:
+        return int(size)
     raise ValueError(f"{checkpoint}/config.json states no vocab_size")
 
 

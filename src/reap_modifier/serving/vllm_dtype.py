@@ -21,6 +21,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..models.moe_fields import config_sections
+
 __all__ = ["DtypeRefused", "ServedDtype", "amx_mla_serves", "served_dtype", "uses_mla"]
 
 #: what vLLM's AMX MLA attention computes in
@@ -43,7 +45,7 @@ class ServedDtype:
 def uses_mla(config: Mapping) -> bool:
     """Whether vLLM runs this model (a ``config.json`` as a dict) with MLA attention: its text
     config states ``kv_lora_rank`` and the model is causal."""
-    for holder in (config, config.get("text_config") or {}, config.get("language_config") or {}):
+    for _, holder in config_sections(config):
         if holder.get("kv_lora_rank") is not None:
             return holder.get("is_causal", True) is not False
     return False
