@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -130,8 +131,11 @@ def main() -> int:
     p.add_argument("--cap", type=float, default=15.0, help="stop a run past this x idle 1-thread")
     p.add_argument("--child", nargs=3, type=int, help=argparse.SUPPRESS)
     p.add_argument("--load-only", type=float, metavar="SECONDS", help="only run the CPU-bound job")
-    p.add_argument("--wrap", nargs=argparse.REMAINDER, help="run a command beside the job")
-    a = p.parse_args()
+    p.add_argument("--wrap", metavar="CMD", help="-- CMD ...: run CMD beside the CPU-bound job")
+    argv = sys.argv[1:]
+    wrap = argv[argv.index("--wrap") + 1 :] if "--wrap" in argv else None
+    a = p.parse_args(argv[: argv.index("--wrap")] if wrap is not None else argv)
+    a.wrap = wrap[1:] if wrap and wrap[0] == "--" else wrap
     if a.child:
         calibrate(*a.child)
         return 0
@@ -139,14 +143,18 @@ def main() -> int:
         cpu_load(a.load_only)
         return 0
     if a.wrap:
-        cmd = a.wrap[1:] if a.wrap[0] == "--" else a.wrap
+        cmd = a.wrap
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: stop both
         load = start_load()
         t = time.monotonic()
+        proc = subprocess.Popen(cmd)
         try:
-            rc = subprocess.call(cmd)
+            rc = proc.wait()
         finally:
-            load.kill()
-            load.wait()
+            for p in (proc, load):
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
         print(f"{' '.join(cmd)}: rc {rc}, {time.monotonic() - t:.0f} s beside a CPU-bound job")
         return rc
 

@@ -647,3 +647,28 @@ def test_report_lists_every_row_where_reap_loses_to_a_baseline(demo_run):
         if re.match(r"\| \d+% \| (" + "|".join(BASELINES) + r") \|", line)
     )
     assert got == want
+
+
+@pytest.mark.parametrize(
+    "requested, cores, load, threads",
+    [
+        (0, 2, 0.0, 2),  # idle: every core
+        (0, 2, 0.49, 2),
+        (0, 2, 0.5, 1),  # another job holds half a core or more: one thread
+        (0, 2, 4.6, 1),
+        (0, 1, 0.0, 1),
+        (0, 16, 0.2, 16),
+        (2, 2, 4.6, 2),  # asked for: as given, whatever the load
+        (1, 2, 0.0, 1),
+    ],
+)
+def test_thread_count_follows_the_load_at_start(monkeypatch, requested, cores, load, threads):
+    from reap_modifier.demo.config import choose_threads
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    got, why = choose_threads(requested)
+    assert got == threads
+    assert why.startswith(f"{threads} CPU thread")
+    assert ("as asked" in why) == (requested > 0)
+    assert (f"load average {load:.1f}" in why) == (requested == 0 and cores > 1)

@@ -91,12 +91,7 @@ def _wait_for_background_install() -> None:
     if not status:
         return
     status = Path(status)
-    deadline = time.monotonic() + float(os.environ.get("REAP_VLLM_INSTALL_WAIT_S", "1200"))
-    while not status.exists():
-        if time.monotonic() > deadline:
-            pytest.fail(
-                f"the background vLLM install did not finish; see {status.with_suffix('.log')}"
-            )
+    while not status.exists():  # however loaded the machine: pytest-timeout bounds a hang
         time.sleep(2)
     rc = status.read_text().strip()
     if rc != "0":

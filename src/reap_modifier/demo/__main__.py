@@ -60,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=DemoConfig.gen_tokens)
     ap.add_argument("--prompts", type=int, default=DemoConfig.prompts_per_lang, help="per language")
     ap.add_argument("--seed", type=int, default=DemoConfig.seed)
-    ap.add_argument("--threads", type=int, default=DemoConfig.threads)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=DemoConfig.threads,
+        help="CPU threads (default 0: every core on an idle machine, 1 when other jobs load it)",
+    )
     ap.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),

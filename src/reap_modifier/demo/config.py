@@ -3,6 +3,7 @@ methods compared, and :class:`DemoConfig` (sizes, seeds, paths)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -91,13 +92,38 @@ class DemoConfig:
     prompt_tokens: int = 16
     gen_tokens: int = 48
     seed: int = 0
-    threads: int = 2  # the 2-core machine the job is sized for
+    threads: int = 0  # 0: chosen at start by :func:`choose_threads`
     #: compute dtype of calibration, evaluation and generation. The weights are bf16 / MXFP4 values,
     #: exact in float32; float32 is the default because torch's CPU bf16 matmul has no fast kernel
     #: without AVX-512 BF16 / AMX (75x slower than float32 on an AVX2 EPYC), and float32 results do
     #: not depend on which bf16 kernel a CPU has
     dtype: str = "float32"
     quick: bool = False
+
+
+def choose_threads(requested: int = 0) -> tuple[int, str]:
+    """The job's CPU thread count and why. ``requested`` > 0 is taken as given; 0 chooses:
+    every core when the machine is otherwise idle (1-minute load average below half a core),
+    else one thread.
+
+    Why: torch's OpenMP threads spin at barriers waiting for each other. Beside another
+    CPU-bound job a waiting thread burns its time slice while the thread it waits for is not
+    running, so calibration on 2 threads took 4.1x its idle time where 1 thread took 1.4x;
+    idle, 2 threads run the whole job in 0.76x the time of 1 (``benchmarks/thread_contention.py``,
+    docs/benchmarks.md). ``OMP_WAIT_POLICY=PASSIVE`` avoids the collapse but costs 1.5x idle.
+    The load is read once, at start: a job that others join later keeps its threads."""
+    cores = os.cpu_count() or 1
+    if requested > 0:
+        return requested, f"{requested} CPU thread(s), as asked (--threads)"
+    if cores == 1:
+        return 1, "1 CPU thread: the machine has one core"
+    load = os.getloadavg()[0]
+    if load >= 0.5:
+        return 1, (
+            f"1 CPU thread: load average {load:.1f} on {cores} cores, other jobs share them "
+            "(more threads would wait on each other; pass --threads N to override)"
+        )
+    return cores, f"{cores} CPU threads: the machine is idle (load average {load:.1f})"
 
 
 QUICK = dict(

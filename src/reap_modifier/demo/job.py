@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from .config import (
     REFERENCE,
     YARDSTICK,
     DemoConfig,
+    choose_threads,
     job_methods,
 )
 from .provenance import compare_corpora, corpus_manifest
@@ -211,7 +212,10 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = log_line, command: str | N
     clock = Clock()
     if cfg.quick:
         cfg = DemoConfig(**{**asdict(cfg), **QUICK})
-    torch.set_num_threads(cfg.threads)
+    threads, why = choose_threads(cfg.threads)
+    cfg = replace(cfg, threads=threads)
+    log(why)
+    torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
     model_dir = Path(cfg.model)
     if not (model_dir / "config.json").is_file():
