@@ -9,7 +9,7 @@ workarounds for compressed-tensors' ``convert_checkpoint``; :mod:`.destination` 
 the output and makes it atomic; :mod:`.scores_cut` cuts a plan from a scores file against the
 checkpoint; :mod:`.rewrite` is the entry point (``prepare_rewrite`` checks, ``RewriteJob.run``
 writes).
-(:mod:`.pause_points` is a test hook: it stops a rewrite at a named point.)
+(:mod:`reap_modifier.pause_points` is the test hook that stops a rewrite at a named point.)
 """
 
 from .binding import (

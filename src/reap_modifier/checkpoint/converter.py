@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from loguru import logger
 
+from ..pause_points import pause_point
 from .binding import RewriteSpec, rewrite_quant_config
 from .byte_copy import ByteMover, default_output_checksum, merge_ranges, new_hasher
 from .errors import CheckpointError
@@ -20,7 +21,6 @@ from .layout import (
     preview,
     set_dotted,
 )
-from .pause_points import pause_point
 from .safetensors_header import encode_header
 
 __all__ = ["ExpertPlanPruner"]

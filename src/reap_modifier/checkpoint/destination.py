@@ -22,8 +22,8 @@ from pathlib import Path
 
 from loguru import logger
 
+from ..pause_points import pause_point
 from .errors import DestinationError
-from .pause_points import pause_point
 
 __all__ = ["DestinationClaim", "check_destination", "swap_into_place", "work_dir_kind", "work_path"]
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from loguru import logger
 
 from ..fileio import sha256_file, write_json_atomic
+from ..pause_points import pause_point
 from ..scores.plan import PruningPlan
 from .binding import ExtraLayers, RewriteSpec, bind_plan
 from .converter import ExpertPlanPruner
@@ -41,7 +42,6 @@ from .destination import DestinationClaim, check_destination, swap_into_place, w
 from .errors import CheckpointError, DestinationError, NotWholeError
 from .layout import CheckpointLayout, inspect_checkpoint
 from .manifest import MANIFEST_NAME, build_manifest
-from .pause_points import pause_point
 from .replaced_tensors import bind_replacements, replacement_record, write_replacements
 from .safetensors_header import read_safetensors_header
 from .scores_cut import ScoresCut
