@@ -59,7 +59,7 @@ def main() -> None:
 
     from reap_modifier.demo import data as D
     from reap_modifier.demo.config import LANGS, QUICK, DemoConfig
-    from reap_modifier.demo.job import calibration_sets
+    from reap_modifier.demo.inputs import calibration_sets
     from reap_modifier.demo.workspace import load_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

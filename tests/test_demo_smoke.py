@@ -624,7 +624,7 @@ def test_reap_eval_reproduces_the_main_jobs_numbers(demo_run, tmp_path):
 def test_report_lists_every_row_where_reap_loses_to_a_baseline(demo_run):
     """Each (sparsity, baseline, language) with REAP(en+zh+code)'s NLL above the baseline's is a
     row of the report's loss table, and no other row is."""
-    from reap_modifier.demo.report import BASELINES
+    from reap_modifier.demo.config import BASELINES
 
     out, res = demo_run["out"], demo_run["results"]
     q, pr = res["eval"]["quality"], res["pruning"]

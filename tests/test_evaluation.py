@@ -129,7 +129,7 @@ def test_repeat_check_finds_the_planted_loop(ckpts, run1):
 def test_windows_are_the_main_jobs(tmp_path):
     """Same records, tokenizer, seed and sizes: the windows (and prompts) the main job draws."""
     from reap_modifier.demo import data as D
-    from reap_modifier.demo.job import pick_prompts as demo_prompts
+    from reap_modifier.demo.inputs import pick_prompts as demo_prompts
 
     path = write_text(tmp_path / "x.jsonl", paragraphs=40, seed=3, kind="jsonl")
     recs = load_records(path)

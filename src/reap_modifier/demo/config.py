@@ -1,10 +1,29 @@
 """What the main job runs: the corpora parts, the rankings of the flip table, the pruning
-methods compared, and :class:`DemoConfig` (sizes, seeds, paths)."""
+methods compared (:data:`METHODS`, the one table of them), and :class:`DemoConfig` (sizes, seeds,
+paths).
+
+Adding a pruning method to the main job is one row of :data:`METHODS`. Every stage reads the
+table: the pruning stage (:mod:`.prune`) cuts and verifies one checkpoint per row (and per extra
+sparsity, unless the row's ``skip_sparsities`` names it), evaluation and generation run on every
+checkpoint, the paired-difference tables (:func:`.results.paired_rows`) pair each row by its
+``role``, and the report lists every row in table order. A row says:
+
+- ``role="mix"``: a REAP calibration mix. Its ``ranking`` (one of :data:`RANKINGS`) names the merged
+  scores it cuts from; consecutive mixes are paired (the calibration-language ladder), and each is
+  paired against :data:`HEADLINE_METHOD`.
+- ``role="baseline"``: ranks without REAP saliency (``kind="weights"``: from the router weights by
+  ``saliency``; ``kind="calibrated"``: another statistic of ``ranking``'s scores). Paired against
+  :data:`HEADLINE_METHOD`, and the report lists where that method loses to it.
+- ``role="fit"``: the cut of the mix ``fit_of``, then every kept router fitted on the mix's
+  calibration parts (:data:`FIT_PARTS`, keyed by ``calibration``); paired against that cut (NLL and KL).
+
+E.g. REAP on the Chinese part alone would need a ranking of that part in :data:`RANKINGS` and a row
+``Method("reap_zh", "REAP(zh)", "calibrated", "reap", "ZH", "zh", role="mix")``."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -26,6 +45,8 @@ REFERENCE = "unpruned"
 
 @dataclass(frozen=True)
 class Method:
+    """One pruning method of the main job (a row of :data:`METHODS`; see the module docstring)."""
+
     name: str  # directory / key
     label: str  # table label
     kind: str  # "calibrated" or "weights"
@@ -33,36 +54,49 @@ class Method:
     ranking: str | None = None  # calibrated: which merged scores file (A..D)
     calibration: str = "none"
     sparsity: float | None = None  # None: the job's sparsity (50%)
-    router_fit: bool = False  # REAP's cut, then ``calibrate_router`` on the calibration corpus
+    role: str = "baseline"  # "mix", "baseline" or "fit"
+    fit_of: str | None = None  # fit: the cut whose routers it fits (``calibrate_router``)
+    #: extra sparsities this method is not pruned at (at the job's sparsity every method is)
+    skip_sparsities: tuple[float, ...] = ()
+
+    @property
+    def router_fit(self) -> bool:
+        """REAP's cut, then ``calibrate_router`` on the calibration corpus."""
+        return self.role == "fit"
 
 
+#: at 75% (where the seed's build collapsed in Chinese) every method is pruned too; at 25% only
+#: the calibration-language question against random
+_NOT_AT_25 = (0.25,)
 METHODS: tuple[Method, ...] = (
-    Method("reap_en", "REAP(en)", "calibrated", "reap", "B", "en"),
-    Method("reap_en_zh", "REAP(en+zh)", "calibrated", "reap", "C", "en+zh"),
-    Method("reap_en_zh_code", "REAP(en+zh+code)", "calibrated", "reap", "D", "en+zh+code"),
-    Method("frequency", "frequency", "calibrated", "frequency", "D", "en+zh+code"),
-    Method("router_l1", "router_l1", "weights", "router_l1"),
-    Method("router_signed_sum", "router_signed_sum", "weights", "router_signed_sum"),
+    Method("reap_en", "REAP(en)", "calibrated", "reap", "B", "en", role="mix"),
+    Method("reap_en_zh", "REAP(en+zh)", "calibrated", "reap", "C", "en+zh", role="mix"),
+    Method(
+        "reap_en_zh_code", "REAP(en+zh+code)", "calibrated", "reap", "D", "en+zh+code", role="mix"
+    ),
+    Method(
+        "frequency", "frequency", "calibrated", "frequency", "D", "en+zh+code",
+        skip_sparsities=_NOT_AT_25,
+    ),
+    Method("router_l1", "router_l1", "weights", "router_l1", skip_sparsities=_NOT_AT_25),
+    Method(
+        "router_signed_sum", "router_signed_sum", "weights", "router_signed_sum",
+        skip_sparsities=_NOT_AT_25,
+    ),
     Method("random", "random", "weights", "random"),
     Method(
-        "reap_en_fit", "REAP(en) + router fit", "calibrated", "reap", "B", "en", router_fit=True
+        "reap_en_fit", "REAP(en) + router fit", "calibrated", "reap", "B", "en",
+        role="fit", fit_of="reap_en", skip_sparsities=_NOT_AT_25,
     ),
     Method(
-        "reap_en_zh_code_fit",
-        "REAP(en+zh+code) + router fit",
-        "calibrated",
-        "reap",
-        "D",
-        "en+zh+code",
-        router_fit=True,
+        "reap_en_zh_code_fit", "REAP(en+zh+code) + router fit", "calibrated", "reap", "D",
+        "en+zh+code", role="fit", fit_of="reap_en_zh_code", skip_sparsities=_NOT_AT_25,
     ),
-)
-#: the methods pruned at each extra sparsity (named ``<name>_<percent>``): at 75% (where the seed's
-#: build collapsed in Chinese) every method; at 25% the calibration-language question against random
-EXTRA_METHODS: dict[float, tuple[str, ...]] = {
-    0.25: ("reap_en", "reap_en_zh", "reap_en_zh_code", "random"),
-    0.75: tuple(m.name for m in METHODS),
-}
+)  # fmt: skip
+#: the method every other is compared against (paired differences, overlap, the report's losses)
+HEADLINE_METHOD = "reap_en_zh_code"
+#: the methods that rank without REAP saliency
+BASELINES: tuple[str, ...] = tuple(m.name for m in METHODS if m.role == "baseline")
 #: calibration parts the router fit of each calibration mix draws on (``router_fit_tokens`` in all,
 #: the same share of each part, so both mixes fit on the same number of tokens)
 FIT_PARTS: dict[str, tuple[str, ...]] = {"en": ("en1", "en2"), "en+zh+code": ("en1", "zh", "code")}
@@ -70,6 +104,8 @@ YARDSTICK = "D"  # retained REAP mass of every plan is measured in this ranking'
 ABLATION = "no_routed"  # evaluation-only reference: every routed expert outputs zero
 #: sparsities of the flip table (the seed: "the same pattern holds at 25% and 75% pruning")
 FLIP_SPARSITIES = (0.25, 0.5, 0.75)
+#: pairs of the flip table, in order: the noise floor, +zh, +code, +zh+code
+FLIP_PAIRS = (("A", "B"), ("B", "C"), ("C", "D"), ("B", "D"))
 
 
 @dataclass
@@ -78,7 +114,8 @@ class DemoConfig:
     out: str = str(DEFAULT_OUT)
     data_dir: str | None = None  # None: the repository's data/ (built if missing)
     sparsity: float = 0.5
-    extra_sparsities: tuple[float, ...] = (0.25, 0.75)  # EXTRA_METHODS at each of these too
+    #: METHODS at each of these too (those whose ``skip_sparsities`` do not name it)
+    extra_sparsities: tuple[float, ...] = (0.25, 0.75)
     tokens_per_part: int = 32768  # calibration tokens of each part (en1, en2, zh, code)
     calib_seq_len: int = 256
     eval_windows: int = 64  # per language
@@ -140,25 +177,34 @@ QUICK = dict(
 )
 
 
+def method_base(name: str) -> str:
+    """The :data:`METHODS` name of a job method's name (``reap_en_75`` -> ``reap_en``)."""
+    head, _, tail = name.rpartition("_")
+    return head if tail.isdigit() else name
+
+
+def at_sparsity(m: Method, sparsity: float, suffix: str = "") -> Method:
+    """``m`` at ``sparsity``, its names (and the cut it fits) suffixed by ``suffix``."""
+    tag = f" {suffix[1:]}%" if suffix else ""
+    return replace(
+        m,
+        name=m.name + suffix,
+        label=m.label + tag,
+        sparsity=sparsity,
+        fit_of=m.fit_of + suffix if m.fit_of else None,
+    )
+
+
 def job_methods(cfg: DemoConfig) -> list[Method]:
-    """METHODS at the job's sparsity, then EXTRA_METHODS at each of ``extra_sparsities``
-    (named ``<name>_<percent>``, e.g. ``reap_en_75``)."""
-    out = [Method(**{**asdict(m), "sparsity": cfg.sparsity}) for m in METHODS]
+    """METHODS at the job's sparsity, then at each of ``extra_sparsities`` every method whose
+    ``skip_sparsities`` do not name it (named ``<name>_<percent>``, e.g. ``reap_en_75``)."""
+    out = [at_sparsity(m, cfg.sparsity) for m in METHODS]
     for sp in cfg.extra_sparsities:
         if sp == cfg.sparsity:
             continue
-        pct = round(100 * sp)
-        names = EXTRA_METHODS.get(sp, EXTRA_METHODS[0.75])  # another sparsity: every method
-        for m in METHODS:
-            if m.name in names:
-                out.append(
-                    Method(
-                        **{
-                            **asdict(m),
-                            "name": f"{m.name}_{pct}",
-                            "label": f"{m.label} {pct}%",
-                            "sparsity": sp,
-                        }
-                    )
-                )
+        out += [
+            at_sparsity(m, sp, f"_{round(100 * sp)}")
+            for m in METHODS
+            if sp not in m.skip_sparsities
+        ]
     return out

@@ -1,51 +1,56 @@
-"""The main job's report: ``report.md`` and the summary tables rendered from
-``results.json`` alone, and the PNG plots."""
+"""The main job's report: ``report.md`` and the summary tables rendered from ``results.json``
+alone (read once into the typed records of :mod:`.records`; one renderer per section, each table
+that appears twice rendered by one function), and the PNG plots."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..analysis.formatting import pct, tokens
 from ..analysis.plots import save_png
-from .config import ABLATION, LANGS, REFERENCE
+from .config import (
+    ABLATION,
+    BASELINES,
+    FLIP_PAIRS,
+    HEADLINE_METHOD,
+    LANGS,
+    METHODS,
+    REFERENCE,
+    method_base,
+)
 from .provenance import describe as describe_corpora
+from .records import CutPoint, FlipCell, Results, read_results
+
+#: the router fit's target: held-out KL this much lower than the same cut alone
+FIT_TARGET = 0.2
+#: the label of the method every other is compared against
+HEADLINE_LABEL = next(m.label for m in METHODS if m.name == HEADLINE_METHOD)
 
 # ----------------------------------------------------------------------------- plots
 
 
-def _model_order(results: dict) -> list[str]:
-    return (
-        [REFERENCE]
-        + list(results["pruning"])
-        + [n for n in (ABLATION,) if n in results["eval"]["quality"]]
-    )
-
-
-def _label(results: dict, name: str) -> str:
-    if name == REFERENCE:
-        return "unpruned"
-    if name == ABLATION:
-        return "no routed experts (reference)"
-    return results["pruning"][name]["label"]
-
-
 def write_plots(results: dict, out: Path) -> None:
+    """``quality.png`` (NLL increase, KL and top-1 per language and method) and
+    ``nll_per_language.png`` under ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    q = results["eval"]["quality"]
-    names = list(results["pruning"])
+    res = read_results(results)
+    q = {m.name: m.quality for m in res.models}
+    names = [c.name for c in res.pruned]
     x = np.arange(len(LANGS))
     width = 0.8 / max(1, len(names))
     fig, axes = plt.subplots(1, 3, figsize=(15, 5.2))
     panels = [
-        ("NLL increase over unpruned (nats)", lambda n, l: q[n][l]["nll"] - q[REFERENCE][l]["nll"]),
-        ("KL(unpruned || pruned) (nats / token)", lambda n, l: q[n][l]["kl"]),
-        ("top-1 agreement with unpruned", lambda n, l: q[n][l]["top1_agreement"]),
+        ("NLL increase over unpruned (nats)", lambda n, l: q[n][l].nll - q[REFERENCE][l].nll),
+        ("KL(unpruned || pruned) (nats / token)", lambda n, l: q[n][l].kl),
+        ("top-1 agreement with unpruned", lambda n, l: q[n][l].top1),
     ]
     for ax, (title, fn) in zip(axes, panels):
         for i, n in enumerate(names):
@@ -53,7 +58,7 @@ def write_plots(results: dict, out: Path) -> None:
                 x + (i - (len(names) - 1) / 2) * width,
                 [fn(n, l) for l in LANGS],
                 width,
-                label=_label(results, n),
+                label=res.label(n),
             )
         if ABLATION in q:  # the no-routed-experts reference, for scale
             for j, l in enumerate(LANGS):
@@ -64,14 +69,12 @@ def write_plots(results: dict, out: Path) -> None:
                     colors="black",
                     linestyles="dashed",
                     linewidth=1,
-                    label=_label(results, ABLATION) if j == 0 else None,
+                    label=res.label(ABLATION) if j == 0 else None,
                 )
         ax.set_xticks(x, LANGS)
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    lo = min(
-        q[n][l]["top1_agreement"] for n in names + [n for n in (ABLATION,) if n in q] for l in LANGS
-    )
+    lo = min(q[n][l].top1 for n in names + [n for n in (ABLATION,) if n in q] for l in LANGS)
     axes[2].set_ylim(max(0.0, lo - 0.05), 1.0)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(
@@ -86,12 +89,12 @@ def write_plots(results: dict, out: Path) -> None:
     save_png(fig, out / "quality.png")
 
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    for i, n in enumerate(_model_order(results)):
+    for i, m in enumerate(res.models):
         ax.bar(
             x + (i - len(names) / 2) * (0.8 / (len(names) + 1)),
-            [q[n][l]["nll"] for l in LANGS],
+            [m.quality[l].nll for l in LANGS],
             0.8 / (len(names) + 1),
-            label=_label(results, n),
+            label=m.label,
         )
     ax.set_xticks(x, LANGS)
     ax.set_ylabel("mean NLL (nats / token)")
@@ -102,29 +105,122 @@ def write_plots(results: dict, out: Path) -> None:
     save_png(fig, out / "nll_per_language.png")
 
 
-# ----------------------------------------------------------------------------- report
+# ----------------------------------------------------------------------------- shared tables
 
 
 def _f(x: float | None, d: int = 3) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{d}f}"
 
 
-def pair_routing(pair: dict, a: str, b: str) -> dict | None:
-    return next((r for r in pair["routing"] if r["a"] == a and r["b"] == b), None)
+def _is_fit(res: Results, name: str) -> bool:
+    """Whether model ``name`` is a cut with its routers fitted (its paired rows are the router-fit
+    section's)."""
+    pruned = res.model(name).pruned
+    return pruned is not None and pruned.fit is not None
 
 
-#: pairs of the flip table, in order: the noise floor, +zh, +code, +zh+code
-FLIP_PAIRS = (("A", "B"), ("B", "C"), ("C", "D"), ("B", "D"))
+@dataclass(frozen=True)
+class FlipLayout:
+    """How a flip table at several cut points is laid out: the first column's header, its
+    alignment row, its cell, and each pair's cell."""
+
+    head: str
+    align: str
+    lead: Callable[[CutPoint], str]
+    cell: Callable[[CutPoint, FlipCell], str]
 
 
-def flip_rows(cmp: dict) -> list[dict]:
-    by = {(p["earlier"], p["later"]): p for p in cmp["pairs"]}
-    return [by[k] for k in FLIP_PAIRS if k in by]
+#: the report's layout: flips (% of kept slots; promoted zh-heavy / all experts zh-heavy)
+FLIPS_IN_REPORT = FlipLayout(
+    "sparsity | keep",
+    "|---:|---:|",
+    lambda pt: f"{pt.sparsity:g} | {pt.keep}",
+    lambda pt, c: (
+        f"{c.flips} ({c.pct_of_kept_slots:.1f}%; {pct(c.promoted_zh_heavy, 0)}"
+        f" / {pct(c.all_zh_heavy, 0)})"
+    ),
+)
+#: the summary's layout: flips / kept slots = % (zh-heavy share of the promoted)
+FLIPS_IN_SUMMARY = FlipLayout(
+    "sparsity (keep)",
+    "|---|",
+    lambda pt: f"{pt.sparsity:.0%} ({pt.keep})",
+    lambda pt, c: (
+        f"{c.flips} / {pt.kept_slots} = {c.pct_of_kept_slots:.1f}%"
+        f" (zh-heavy {pct(c.promoted_zh_heavy, 0)})"
+    ),
+)
+
+
+def flip_table(cut_points: tuple[CutPoint, ...], layout: FlipLayout) -> list[str]:
+    """The pairs of :data:`~.config.FLIP_PAIRS` at each cut point, one row per sparsity."""
+    lines = [
+        f"| {layout.head} | " + " | ".join(f"{a} -> {b}" for a, b in FLIP_PAIRS) + " |",
+        layout.align + "---:|" * len(FLIP_PAIRS),
+    ]
+    for pt in cut_points:
+        cells = [
+            "n/a" if (c := pt.pairs.get(f"{a}->{b}")) is None else layout.cell(pt, c)
+            for a, b in FLIP_PAIRS
+        ]
+        lines.append(f"| {layout.lead(pt)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def paired_nll_table(res: Results) -> list[str]:
+    """Every paired NLL difference but the router fits' (their section shows those)."""
+    lines = ["| first | second | en | zh | code |", "|---|---|---:|---:|---:|"]
+    for p in res.paired:
+        if _is_fit(res, p.b):
+            continue
+        lines.append(
+            f"| {res.label(p.a)} | {res.label(p.b)} | "
+            + " | ".join(f"{p.nll[l].mean:+.4f} +- {_f(p.nll[l].se, 4)}" for l in LANGS)
+            + " |"
+        )
+    return lines
+
+
+def reap_losses(res: Results) -> list[str]:
+    """Every (sparsity, baseline, language) where REAP(en+zh+code) has the higher held-out NLL
+    than a calibration-free or frequency baseline: the paired difference, and whether it is more
+    than two standard errors."""
+    rows = []
+    for p in res.paired:
+        base = method_base(p.a)
+        if base not in BASELINES or method_base(p.b) != HEADLINE_METHOD:
+            continue
+        for lang in LANGS:
+            d = p.nll[lang]
+            if d.mean > 0:
+                big = d.mean > 2 * d.se
+                rows.append(
+                    f"| {res.model(p.b).pruned.sparsity:.0%} | {base} | {lang} | +{d.mean:.4f} +- "
+                    f"{_f(d.se, 4)} | {'yes' if big else 'no'} |"
+                )
+    head = [
+        "",
+        f"Where {HEADLINE_LABEL} loses to a baseline (held-out NLL, REAP minus the baseline, paired"
+        " per window; `> 2 SE`: larger than two standard errors):",
+        "",
+    ]
+    if not rows:
+        return head[:2] + ["", f"Nowhere: {HEADLINE_LABEL} has the lower NLL in every row.", ""]
+    return head + [
+        "| sparsity | baseline | language | NLL difference | > 2 SE |",
+        "|---|---|---|---:|---|",
+        *rows,
+        "",
+    ]
+
+
+# ----------------------------------------------------------------------------- report
 
 
 def render_report(results: dict) -> str:
     """``report.md`` from ``results.json`` alone (every number in it comes from the dict), one
     renderer per section."""
+    res = read_results(results)
     sections = (
         _title,
         _calibration,
@@ -136,17 +232,16 @@ def render_report(results: dict) -> str:
         _generations,
         _timing_and_limits,
     )
-    return "\n".join(line for section in sections for line in section(results))
+    return "\n".join(line for section in sections for line in section(res))
 
 
-def _title(results: dict) -> list[str]:
-    cfg, pr, mdl = results["config"], results["pruning"], results["model"]
-    E, k = mdl["num_experts"], next(iter(pr.values()))["num_experts_after"]
-    L = len(mdl["moe_layers"])
-    extra = sorted({r["sparsity"] for r in pr.values()} - {cfg["sparsity"]})
-    fits = [r for r in pr.values() if r.get("router_fit")]
-    fmts = next(iter(pr.values()))["verify"].get("quantization_format") or []
-    lines = [
+def _title(res: Results) -> list[str]:
+    cfg, mdl, pruned = res.raw["config"], res.raw["model"], res.pruned
+    E, k, L = mdl["num_experts"], pruned[0].experts_after, len(mdl["moe_layers"])
+    extra = sorted({c.sparsity for c in pruned} - {cfg["sparsity"]})
+    fits = [c for c in pruned if c.fit]
+    fmts = pruned[0].quantization_format
+    return [
         "# REAP expert pruning: does the calibration language matter, and what does it cost?",
         "",
         f"Model `{mdl['path']}` ({mdl['model_class']}, {L} MoE layers x {E} routed experts, top-{mdl['top_k']}"
@@ -164,15 +259,15 @@ def _title(results: dict) -> list[str]:
         )
         + f".{' **Quick mode: tiny sizes, the numbers mean nothing.**' if cfg['quick'] else ''}",
         "",
-        f"Produced by `{results.get('command') or 'reap_modifier.demo.run'}` on {results['created']} in"
-        f" {results['timing']['total']:.0f} s ({cfg['threads']} CPU thread{'s' if cfg['threads'] > 1 else ''});"
+        f"Produced by `{res.raw.get('command') or 'reap_modifier.demo.run'}` on {res.raw['created']} in"
+        f" {res.raw['timing']['total']:.0f} s ({cfg['threads']} CPU thread{'s' if cfg['threads'] > 1 else ''});"
         " every number below is in `results.json`.",
         "",
     ]
-    return lines
 
 
-def _calibration(results: dict) -> list[str]:
+def _calibration(res: Results) -> list[str]:
+    calibration = res.raw["calibration"]
     lines = [
         "## Calibration",
         "",
@@ -183,14 +278,14 @@ def _calibration(results: dict) -> list[str]:
         "| part | corpus | tokens | windows | sources (tokens) | seconds |",
         "|---|---|---:|---:|---|---:|",
     ]
-    for r in results["calibration"]["runs"]:
+    for r in calibration["runs"]:
         src = ", ".join(
             f"{s} {tokens(n)}" for s, n in sorted(r["source_tokens"].items(), key=lambda kv: -kv[1])
         )
         lines.append(
             f"| {r['part']} | {r['source']} | {r['tokens']:,} | {r['rows']} | {src} | {r['seconds']:.1f} |"
         )
-    pc = results["calibration"].get("packed_check")
+    pc = calibration.get("packed_check")
     if pc:
         lines += [
             "",
@@ -200,31 +295,26 @@ def _calibration(results: dict) -> list[str]:
             f" ({pc['statistics']:,} values; tolerance {pc['tolerance']:g}).",
         ]
     lines += ["", "| ranking | = | tokens |", "|---|---|---|"]
-    for label, r in results["calibration"]["rankings"].items():
+    for label, r in calibration["rankings"].items():
         lines.append(
             f"| {label} | {' + '.join(r['parts'])} | "
             + ", ".join(f"{s} {tokens(n)}" for s, n in r["tokens"].items())
             + " |"
         )
+    mixes = ", ".join(f"{m.label} = {m.ranking}" for m in METHODS if m.role == "mix")
     lines += [
         "",
-        "REAP(en) = B, REAP(en+zh) = C, REAP(en+zh+code) = D; frequency ranks by routed-token count in D;"
+        f"{mixes}; frequency ranks by routed-token count in D;"
         " router_l1 / router_signed_sum / random use router weights only (no data; random seeded).",
         "",
     ]
     return lines
 
 
-def _quality(results: dict) -> list[str]:
+def _quality(res: Results) -> list[str]:
     """NLL, agreement and KL against the unpruned model, and the paired differences. (Long
     because it is one report section, table after table.)"""
-    q, pr, mdl, ev = (
-        results["eval"]["quality"],
-        results["pruning"],
-        results["model"],
-        results["eval"],
-    )
-    E = mdl["num_experts"]
+    ev, E = res.raw["eval"], res.raw["model"]["num_experts"]
     lines = [
         "## Quality after pruning",
         "",
@@ -238,19 +328,14 @@ def _quality(results: dict) -> list[str]:
         "| model | experts kept | REAP(D) mass | overlap | NLL en | NLL zh | NLL code |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in _model_order(results):
-        if name == REFERENCE:
-            kept, mass, ov = f"{E}", "100%", "-"
-        elif name == ABLATION:
-            kept, mass, ov = "0", "0%", "-"
+    for m in res.models:
+        if m.pruned is not None:
+            kept, mass = f"{m.pruned.experts_after}", pct(m.pruned.reap_mass_d)
+            ov = pct(m.pruned.overlap, 0)
         else:
-            kept = f"{pr[name]['num_experts_after']}"
-            mass, ov = (
-                pct(pr[name]["retained_reap_mass_D"]),
-                pct(pr[name]["overlap_with_reap_en_zh_code"], 0),
-            )
-        cells = " | ".join(f"{_f(q[name][l]['nll'])} ({_f(q[name][l]['ppl'], 1)})" for l in LANGS)
-        lines.append(f"| {_label(results, name)} | {kept} | {mass} | {ov} | {cells} |")
+            kept, mass, ov = (f"{E}", "100%", "-") if m.name == REFERENCE else ("0", "0%", "-")
+        cells = " | ".join(f"{_f(m.quality[l].nll)} ({_f(m.quality[l].ppl, 1)})" for l in LANGS)
+        lines.append(f"| {m.label} | {kept} | {mass} | {ov} | {cells} |")
     lines += [
         "",
         "Against the unpruned model on the same windows (top-1: fraction of positions where the argmax"
@@ -259,12 +344,12 @@ def _quality(results: dict) -> list[str]:
         "| model | top-1 en | top-1 zh | top-1 code | KL en | KL zh | KL code |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in _model_order(results)[1:]:
+    for m in res.models[1:]:
         lines.append(
-            f"| {_label(results, name)} | "
-            + " | ".join(pct(q[name][l]["top1_agreement"]) for l in LANGS)
+            f"| {m.label} | "
+            + " | ".join(pct(m.quality[l].top1) for l in LANGS)
             + " | "
-            + " | ".join(_f(q[name][l]["kl"], 4) for l in LANGS)
+            + " | ".join(_f(m.quality[l].kl, 4) for l in LANGS)
             + " |"
         )
     lines += [
@@ -274,81 +359,40 @@ def _quality(results: dict) -> list[str]:
         "Paired per-window NLL differences (second minus first; mean +- standard error over windows;"
         " positive = the second is worse):",
         "",
-        "| first | second | en | zh | code |",
-        "|---|---|---:|---:|---:|",
+        *paired_nll_table(res),
     ]
-    for p in results["paired"]:
-        if p["b"].endswith("_fit") or "_fit_" in p["b"]:
-            continue  # the router-fit section shows these
-        lines.append(
-            f"| {_label(results, p['a'])} | {_label(results, p['b'])} | "
-            + " | ".join(f"{p[l]['mean']:+.4f} +- {_f(p[l]['se'], 4)}" for l in LANGS)
-            + " |"
+    return lines + reap_losses(res) + _model_card(res)
+
+
+def _model_card(res: Results) -> list[str]:
+    """The unpruned NLL against the bundled model card's, and the corpora against the card's."""
+    card = res.raw["model"].get("model_card")
+    if not (card and card.get("loss")):
+        return []
+    ref = res.model(REFERENCE)
+    lines = [
+        "",
+        "Unpruned NLL vs the model card"
+        + (
+            " (same windows)"
+            if card.get("same_windows")
+            else " (different windows: not comparable)"
         )
-    lines += reap_losses(results)
-    card = mdl.get("model_card")
-    if card and card.get("loss"):
-        same = card.get("same_windows")
-        lines += [
-            "",
-            "Unpruned NLL vs the model card"
-            + (" (same windows)" if same else " (different windows: not comparable)")
-            + ": "
-            + ", ".join(
-                f"{l} {_f(q[REFERENCE][l]['nll'], 4)} vs {_f(card['loss'].get(l), 4)}"
-                for l in LANGS
-            )
-            + ".",
-        ]
-        if card.get("corpora"):
-            lines += ["", "Corpora vs the model card: " + describe_corpora(card["corpora"])]
+        + ": "
+        + ", ".join(
+            f"{l} {_f(ref.quality[l].nll, 4)} vs {_f(card['loss'].get(l), 4)}" for l in LANGS
+        )
+        + ".",
+    ]
+    if card.get("corpora"):
+        lines += ["", "Corpora vs the model card: " + describe_corpora(card["corpora"])]
     return lines
 
 
-BASELINES = ("frequency", "router_l1", "router_signed_sum", "random")
-#: the router fit's target: held-out KL this much lower than the same cut alone
-FIT_TARGET = 0.2
-
-
-def reap_losses(results: dict) -> list[str]:
-    """Every (sparsity, baseline, language) where REAP(en+zh+code) has the higher held-out NLL
-    than a calibration-free or frequency baseline: the paired difference, and whether it is more
-    than two standard errors."""
-    pr = results["pruning"]
-    rows = []
-    for p in results["paired"]:
-        base = p["a"].rsplit("_", 1)[0] if p["a"].rsplit("_", 1)[-1].isdigit() else p["a"]
-        if base not in BASELINES or not p["b"].startswith("reap_en_zh_code"):
-            continue
-        for lang in LANGS:
-            d = p[lang]
-            if d["mean"] > 0:
-                big = d["mean"] > 2 * d["se"]
-                rows.append(
-                    f"| {pr[p['b']]['sparsity']:.0%} | {base} | {lang} | +{d['mean']:.4f} +- "
-                    f"{_f(d['se'], 4)} | {'yes' if big else 'no'} |"
-                )
-    head = [
-        "",
-        "Where REAP(en+zh+code) loses to a baseline (held-out NLL, REAP minus the baseline, paired"
-        " per window; `> 2 SE`: larger than two standard errors):",
-        "",
-    ]
-    if not rows:
-        return head[:2] + ["", "Nowhere: REAP(en+zh+code) has the lower NLL in every row.", ""]
-    return head + [
-        "| sparsity | baseline | language | NLL difference | > 2 SE |",
-        "|---|---|---|---:|---|",
-        *rows,
-        "",
-    ]
-
-
-def _router_fit(results: dict) -> list[str]:
+def _router_fit(res: Results) -> list[str]:
     """REAP's cut alone against the same cut with its routers fitted (``calibrate_router``):
     KL to the unpruned model and NLL per language, paired per window."""
-    pr, q = results["pruning"], results["eval"]["quality"]
-    rows = [p for p in results["paired"] if p["b"] in pr and pr[p["b"]].get("router_fit")]
+    rows = [p for p in res.paired if _is_fit(res, p.b)]
     if not rows:
         return []
     lines = [
@@ -367,20 +411,21 @@ def _router_fit(results: dict) -> list[str]:
     ]
     met, missed = 0, []
     for p in rows:
-        a, b, fit = p["a"], p["b"], pr[p["b"]]["router_fit"]
+        alone, fitted = res.model(p.a), res.model(p.b)
         for lang in LANGS:
-            ka, kb = q[a][lang]["kl"], q[b][lang]["kl"]
+            ka, kb = alone.quality[lang].kl, fitted.quality[lang].kl
             change = kb / ka - 1 if ka else float("nan")
             if change <= -FIT_TARGET:
                 met += 1
             else:
-                missed.append(f"{_label(results, a)} {lang}")
+                missed.append(f"{alone.label} {lang}")
             lines.append(
-                f"| {_label(results, a)} | {fit['tokens']:,} | {lang} | {_f(ka, 4)} | {_f(kb, 4)} |"
+                f"| {alone.label} | {fitted.pruned.fit.tokens:,} | {lang} | {_f(ka, 4)} | {_f(kb, 4)} |"
                 f" {100 * change:+.1f}% |"
-                f" {p['kl'][lang]['mean']:+.4f} +- {_f(p['kl'][lang]['se'], 4)} |"
-                f" {p[lang]['mean']:+.4f} +- {_f(p[lang]['se'], 4)} |"
+                f" {p.kl[lang].mean:+.4f} +- {_f(p.kl[lang].se, 4)} |"
+                f" {p.nll[lang].mean:+.4f} +- {_f(p.nll[lang].se, 4)} |"
             )
+    n_layers = len(res.raw["model"]["moe_layers"])
     lines += [
         "",
         f"Target (KL at least {FIT_TARGET:.0%} lower than the cut alone): met in {met} of"
@@ -393,30 +438,24 @@ def _router_fit(results: dict) -> list[str]:
         "Layer-local relative error of each fitted router (held-out calibration tokens of the fit,"
         " before -> after):",
         "",
-        "| model | "
-        + " | ".join(f"layer {i}" for i in range(len(results["model"]["moe_layers"])))
-        + " |",
-        "|---|" + "---:|" * len(results["model"]["moe_layers"]),
+        "| model | " + " | ".join(f"layer {i}" for i in range(n_layers)) + " |",
+        "|---|" + "---:|" * n_layers,
     ]
-    for r in pr.values():
-        fit = r.get("router_fit")
-        if not fit:
-            continue
-        cells = [
-            f"{v['holdout_before']:.3f} -> {v['holdout_after']:.3f}" for v in fit["layers"].values()
-        ]
-        lines.append(f"| {r['label']} | " + " | ".join(cells) + " |")
+    for c in res.pruned:
+        if c.fit:
+            cells = [f"{before:.3f} -> {after:.3f}" for before, after in c.fit.holdout]
+            lines.append(f"| {c.label} | " + " | ".join(cells) + " |")
     return lines
 
 
-def _degeneration(results: dict) -> list[str]:
-    cfg, gs = results["config"], results["generations"]["summary"]
+def _degeneration(res: Results) -> list[str]:
+    cfg = res.raw["config"]
     lines = [
         "",
         "## Degeneration check (the seed's)",
         "",
         f"Greedy continuations of {cfg['prompts_per_lang']} held-out prompt(s) per language"
-        f" ({cfg['prompt_tokens']} prompt tokens, {results['generations']['new_tokens']} new tokens): the longest"
+        f" ({cfg['prompt_tokens']} prompt tokens, {res.raw['generations']['new_tokens']} new tokens): the longest"
         " run of back-to-back copies of one substring (the seed: 3 in healthy output, thousands in a collapsed"
         " one): the maximum over the prompts in tokens / in characters, and the mean over prompts in tokens."
         " Read it against the unpruned row: greedy decoding of a model this small loops on its own.",
@@ -424,24 +463,20 @@ def _degeneration(results: dict) -> list[str]:
         "| model | en max tok / chr | zh max tok / chr | code max tok / chr | en mean | zh mean | code mean |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in _model_order(results):
+    for m in res.models:
         lines.append(
-            f"| {_label(results, name)} | "
-            + " | ".join(
-                f"{gs[name][l]['max_repeat_run_tokens']} / {gs[name][l]['max_repeat_run_chars']}"
-                for l in LANGS
-            )
+            f"| {m.label} | "
+            + " | ".join(f"{m.repeats[l].max_tokens} / {m.repeats[l].max_chars}" for l in LANGS)
             + " | "
-            + " | ".join(f"{gs[name][l]['mean_repeat_run_tokens']:.1f}" for l in LANGS)
+            + " | ".join(f"{m.repeats[l].mean_tokens:.1f}" for l in LANGS)
             + " |"
         )
     return lines
 
 
-def _flips(results: dict) -> list[str]:
-    """The seed's flip table, retained masses, the other cut points and the tiers. (Long
-    because it is one report section, table after table.)"""
-    cmp = results["compare"]
+def _flips(res: Results) -> list[str]:
+    """The seed's flip table, retained masses and the other cut points."""
+    cmp = res.raw["compare"]
     lines = [
         "",
         "## The seed's flip table on our data",
@@ -455,23 +490,16 @@ def _flips(results: dict) -> list[str]:
         " promoted code-heavy (all) |",
         "|---|---|---|---:|---:|---:|---:|---:|",
     ]
-    for p in flip_rows(cmp):
-        added = ", ".join(f"+{tokens(n)} {s}" for s, n in p["tokens_added"].items()) or "-"
-        xf = "n/a" if p["x_first_pair"] is None else f"{p['x_first_pair']:.2f}x"
-        zh, code = pair_routing(p, "en", "zh"), pair_routing(p, "en", "code")
-        zc = (
-            f"{pct(zh['promoted_frac_more_by_b'], 0)} ({pct(zh['all_frac_more_by_b'], 0)})"
-            if zh
-            else "n/a"
-        )
-        cc = (
-            f"{pct(code['promoted_frac_more_by_b'], 0)} ({pct(code['all_frac_more_by_b'], 0)})"
-            if code
-            else "n/a"
+    by = {(p.earlier, p.later): p for p in res.flip_pairs}
+    for p in (by[k] for k in FLIP_PAIRS if k in by):
+        added = ", ".join(f"+{tokens(n)} {s}" for s, n in p.tokens_added.items()) or "-"
+        xf = "n/a" if p.x_first_pair is None else f"{p.x_first_pair:.2f}x"
+        zc, cc = (
+            f"{pct(h[0], 0)} ({pct(h[1], 0)})" if h else "n/a" for h in (p.zh_heavy, p.code_heavy)
         )
         lines.append(
-            f"| {p['earlier']} -> {p['later']} | {p['change']} | {added} | {p['flips']} |"
-            f" {p['pct_of_kept_slots']:.2f}% | {xf} | {zc} | {cc} |"
+            f"| {p.earlier} -> {p.later} | {p.change} | {added} | {p.flips} |"
+            f" {p.pct_of_kept_slots:.2f}% | {xf} | {zc} | {cc} |"
         )
     lines += [
         "",
@@ -483,39 +511,31 @@ def _flips(results: dict) -> list[str]:
     ]
     for r in cmp["rankings"]:
         lines.append(f"| {r['label']} | {r['corpus']} | {pct(r['retained_mass'], 2)} |")
-    bc = next((p for p in cmp["pairs"] if p["earlier"] == "B" and p["later"] == "C"), None)
+    bc = by.get(("B", "C"))
     if bc is not None:
-        sup = bc["support"].get("rate@en", {}).get("promoted", {})
+        sup = bc.support_en
         lines += [
             "",
-            f"B -> C: B's saliency keeps {pct(bc['mass']['earlier_saliency_under_later_plan'], 2)} of its"
-            f" mass under C's plan (vs {pct(bc['mass']['own_earlier'], 2)} under its own); promoted experts'"
+            f"B -> C: B's saliency keeps {pct(bc.mass_under_later_plan, 2)} of its"
+            f" mass under C's plan (vs {pct(bc.mass_own, 2)} under its own); promoted experts'"
             " English routing rate is"
             f" {_f(sup.get('median_ratio_to_layer_median'), 2)}x the layer median (median over promoted;"
             f" {pct(sup.get('frac_below_layer_median'), 0)} below the median,"
             f" {pct(sup.get('frac_never_routed'), 0)} never routed by the English calibration text).",
         ]
-    fbs = results.get("flips_by_sparsity") or {}
-    if fbs:
+    if res.cut_points:
         lines += [
             "",
             "The same pairs at other cut points (flips, % of kept slots, promoted zh-heavy / all experts):",
             "",
-            "| sparsity | keep | " + " | ".join(f"{a} -> {b}" for a, b in FLIP_PAIRS) + " |",
-            "|---:|---:|" + "---:|" * len(FLIP_PAIRS),
+            *flip_table(res.cut_points, FLIPS_IN_REPORT),
         ]
-        for sp, f in fbs.items():
-            cells = []
-            for a, b in FLIP_PAIRS:
-                r = f["pairs"].get(f"{a}->{b}")
-                cells.append(
-                    "n/a"
-                    if r is None
-                    else f"{r['flips']} ({r['pct_of_kept_slots']:.1f}%; {pct(r['promoted_zh_heavy'], 0)}"
-                    f" / {pct(r['all_zh_heavy'], 0)})"
-                )
-            lines.append(f"| {float(sp):g} | {f['keep']} | " + " | ".join(cells) + " |")
-    lines += [
+    return lines + _tiers(res)
+
+
+def _tiers(res: Results) -> list[str]:
+    """Links to the full comparison and the retained mass by tier."""
+    lines = [
         "",
         "![flips per layer](compare/flips_per_layer.png)",
         "",
@@ -523,7 +543,7 @@ def _flips(results: dict) -> list[str]:
         " `tiers/`.",
         "",
     ]
-    tiers = results["tiers"]["rows"] or []
+    tiers = res.raw["tiers"]["rows"] or []
     if tiers:
         lines += [
             "Retained REAP(en+zh+code) mass by tier:",
@@ -539,8 +559,8 @@ def _flips(results: dict) -> list[str]:
     return lines
 
 
-def _checkpoints(results: dict) -> list[str]:
-    pr, mdl = results["pruning"], results["model"]
+def _checkpoints(res: Results) -> list[str]:
+    mdl = res.raw["model"]
     lines = [
         "## Checkpoints",
         "",
@@ -561,39 +581,31 @@ def _checkpoints(results: dict) -> list[str]:
         "| method | plan | checkpoint | experts | tensors sha256-equal to source | MB | verify | seconds |",
         "|---|---|---|---:|---:|---:|---|---:|",
     ]
-    for r in pr.values():
-        v = r["verify"]
+    for c in res.pruned:
         lines.append(
-            f"| {r['label']} | `{r['plan']}` | `{r['checkpoint']}` | {r['num_experts_before']} -> "
-            f"{r['num_experts_after']} | {v.get('tensors_matching_source')} / {v.get('tensors')} |"
-            f" {r['bytes'] / 1e6:.2f} | {'OK' if v['ok'] else 'FAILED'} | {r['seconds']:.1f} |"
+            f"| {c.label} | `{c.plan}` | `{c.path}` | {c.experts_before} -> "
+            f"{c.experts_after} | {c.tensors_matching_source} / {c.tensors} |"
+            f" {c.bytes / 1e6:.2f} | {'OK' if c.verify_ok else 'FAILED'} | {c.seconds:.1f} |"
         )
     return lines
 
 
-def _generations(results: dict) -> list[str]:
+def _generations(res: Results) -> list[str]:
     lines = ["", "## Generations", ""]
-    prompts = results["generations"]["prompts"]
+    prompts = res.raw["generations"]["prompts"]
     for lang in LANGS:
         for i, p in enumerate(prompts[lang][:1]):
             lines += [f"**{lang}**, prompt ({p['source']}): `{_md(p['text'])}`", ""]
-            for name in _model_order(results):
-                row = next(
-                    r
-                    for r in results["generations"]["by_model"][name]
-                    if r["lang"] == lang and r["prompt"] == i
-                )
-                lines.append(
-                    f"- {_label(results, name)} (run {row['repeat_run_tokens']} tok):"
-                    f" `{_md(row['text'])}`"
-                )
+            for m in res.models:
+                row = next(r for r in res.generations[m.name] if r.lang == lang and r.prompt == i)
+                lines.append(f"- {m.label} (run {row.repeat_run_tokens} tok): `{_md(row.text)}`")
             lines.append("")
     return lines
 
 
-def _timing_and_limits(results: dict) -> list[str]:
-    t = results["timing"]
-    lines = [
+def _timing_and_limits(res: Results) -> list[str]:
+    t = res.raw["timing"]
+    return [
         "## Timing",
         "",
         " | ".join(f"{k} {v:.0f} s" for k, v in t.items() if k != "total")
@@ -607,72 +619,54 @@ def _timing_and_limits(results: dict) -> list[str]:
         " stream and understate the uncertainty. Greedy continuations of a model this weak are poor even"
         " unpruned, so the repeat runs separate collapse from non-collapse, not good text from bad.",
         "",
-        "Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()),
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in res.raw["versions"].items()),
         "",
     ]
-    return lines
+
+
+# ----------------------------------------------------------------------------- summary
 
 
 def summary_tables(results: dict) -> str:
     """The compact tables docs/README-demo.md shows (quality per model, the flip table), from a
     run's ``results.json``: ``python -m reap_modifier.demo --tables out/demo/results.json``."""
-    q, pr, gs = results["eval"]["quality"], results["pruning"], results["generations"]["summary"]
-    E = results["model"]["num_experts"]
+    res = read_results(results)
+    lines = _summary_quality(res)
+    if res.cut_points:
+        lines += ["", *flip_table(res.cut_points, FLIPS_IN_SUMMARY)]
+    lines += reap_losses(res)
+    lines += [
+        "Paired per-window NLL differences, second minus first (mean +- standard error):",
+        "",
+        *paired_nll_table(res),
+    ]
+    lines += _router_fit(res)
+    return "\n".join(lines) + "\n"
+
+
+def _summary_quality(res: Results) -> list[str]:
+    """One row per model: experts, REAP mass, NLL and KL per language, top-1 and repeat runs in zh."""
+    E = res.raw["model"]["num_experts"]
     lines = [
         "| model | experts kept | REAP mass kept | NLL en | NLL zh | NLL code | KL en | KL zh | KL code |"
         " top-1 zh | zh repeat run, max / mean |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in _model_order(results):
-        if name == REFERENCE:
-            kept, mass = E, "100%"
-        elif name == ABLATION:
-            kept, mass = 0, "0%"
+    for m in res.models:
+        if m.pruned is not None:
+            kept, mass = m.pruned.experts_after, pct(m.pruned.reap_mass_d)
         else:
-            kept, mass = pr[name]["num_experts_after"], pct(pr[name]["retained_reap_mass_D"])
-        kl = " | ".join("-" if name == REFERENCE else _f(q[name][l]["kl"], 4) for l in LANGS)
-        t1 = "-" if name == REFERENCE else pct(q[name]["zh"]["top1_agreement"])
+            kept, mass = (E, "100%") if m.name == REFERENCE else (0, "0%")
+        ref = m.name == REFERENCE
+        kl = " | ".join("-" if ref else _f(m.quality[l].kl, 4) for l in LANGS)
+        t1 = "-" if ref else pct(m.quality["zh"].top1)
+        zh = m.repeats["zh"]
         lines.append(
-            f"| {_label(results, name)} | {kept} | {mass} | "
-            + " | ".join(_f(q[name][l]["nll"]) for l in LANGS)
-            + f" | {kl} | {t1} |"
-            f" {gs[name]['zh']['max_repeat_run_tokens']} / {gs[name]['zh']['mean_repeat_run_tokens']:.1f} |"
+            f"| {m.label} | {kept} | {mass} | "
+            + " | ".join(_f(m.quality[l].nll) for l in LANGS)
+            + f" | {kl} | {t1} | {zh.max_tokens} / {zh.mean_tokens:.1f} |"
         )
-    fbs = results.get("flips_by_sparsity") or {}
-    if fbs:
-        lines += [
-            "",
-            "| sparsity (keep) | " + " | ".join(f"{a} -> {b}" for a, b in FLIP_PAIRS) + " |",
-            "|---|" + "---:|" * len(FLIP_PAIRS),
-        ]
-        for sp, f in fbs.items():
-            cells = []
-            for a, b in FLIP_PAIRS:
-                r = f["pairs"].get(f"{a}->{b}")
-                cells.append(
-                    "n/a"
-                    if r is None
-                    else f"{r['flips']} / {f['kept_slots']} = {r['pct_of_kept_slots']:.1f}%"
-                    f" (zh-heavy {pct(r['promoted_zh_heavy'], 0)})"
-                )
-            lines.append(f"| {float(sp):.0%} ({f['keep']}) | " + " | ".join(cells) + " |")
-    lines += reap_losses(results)
-    lines += [
-        "Paired per-window NLL differences, second minus first (mean +- standard error):",
-        "",
-        "| first | second | en | zh | code |",
-        "|---|---|---:|---:|---:|",
-    ]
-    for p in results["paired"]:
-        if p["b"] in pr and pr[p["b"]].get("router_fit"):
-            continue
-        lines.append(
-            f"| {_label(results, p['a'])} | {_label(results, p['b'])} | "
-            + " | ".join(f"{p[l]['mean']:+.4f} +- {_f(p[l]['se'], 4)}" for l in LANGS)
-            + " |"
-        )
-    lines += _router_fit(results)
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _md(text: str) -> str:

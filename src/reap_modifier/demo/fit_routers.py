@@ -1,0 +1,83 @@
+"""Stage 2b of the main job: the router-fit checkpoints -- REAP's cut, then every kept router
+fitted on the mix's calibration tokens (``calibrate_router``), saved through ``oneshot``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .config import FIT_PARTS, DemoConfig, Method
+from .inputs import Inputs
+from .workspace import load_model
+
+
+def fit_sets(cfg: DemoConfig, inputs: Inputs) -> dict[str, Any]:
+    """Per calibration mix of :data:`FIT_PARTS`: the router fit's dataset, ``router_fit_tokens``
+    tokens drawn evenly from the mix's calibration parts (whole windows from the start of each)."""
+    from datasets import concatenate_datasets
+
+    out = {}
+    for mix, parts in FIT_PARTS.items():
+        share = cfg.router_fit_tokens // len(parts)
+        pieces = []
+        for part in parts:
+            ds, n, rows = inputs.sets[part], 0, 0
+            for ids in ds["input_ids"]:
+                if n >= share:
+                    break
+                n, rows = n + len(ids), rows + 1
+            pieces.append(ds.select(range(rows)))
+        out[mix] = concatenate_datasets(pieces)
+    return out
+
+
+def fit_router_checkpoint(
+    cfg: DemoConfig, m: Method, src_dir: Path, dst: Path, scores_path: Path, plan, inputs: Inputs
+) -> dict:
+    """REAP's cut from ``scores_path`` (the plan the job cut, checked equal), then every kept
+    router fitted on the mix's calibration tokens (``calibrate_router``), saved by ``oneshot``:
+    expert bytes copied from the source, fitted router rows written from memory."""
+    from llmcompressor import oneshot
+
+    from ..modifier import REAPPruningModifier
+
+    dataset = fit_sets(cfg, inputs)[m.calibration]
+    tokens = int(sum(len(r) for r in dataset["input_ids"]))
+    model = load_model(src_dir, packed=True, dtype=cfg.dtype)
+    modifier = REAPPruningModifier(
+        sparsity=m.sparsity,
+        scores_in=str(scores_path),
+        seed=cfg.seed,
+        calibrate_router=True,
+        router_fit_tokens=tokens,
+        router_fit_steps=cfg.router_fit_steps,
+        router_fit_lr=cfg.router_fit_lr,
+    )
+    if dst.exists():
+        import shutil
+
+        shutil.rmtree(dst)
+    oneshot(
+        model=model,
+        recipe=[modifier],
+        processor=inputs.tokenizer,
+        dataset=dataset,
+        num_calibration_samples=len(dataset),
+        output_dir=str(dst),
+        moe_calibrate_all_experts=False,
+    )
+    del model
+    if modifier.plan.kept != plan.kept:
+        raise RuntimeError(f"{m.name}: the router-fit run cut a different plan than {m.ranking}'s")
+    fit = modifier.router_fit
+    return {
+        "tokens": tokens,
+        "parts": list(FIT_PARTS[m.calibration]),
+        "method": fit.get("method"),
+        "steps": cfg.router_fit_steps,
+        "lr": cfg.router_fit_lr,
+        "layers": {
+            layer: {k: v for k, v in rec.items() if isinstance(v, int | float)}
+            for layer, rec in fit.get("layers", {}).items()
+        },
+    }

@@ -1,0 +1,281 @@
+"""The main job's ``results.json`` read back as typed records (:func:`read_results`), built once
+and read by every section of the report (:mod:`.report`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ABLATION, LANGS, REFERENCE
+
+
+@dataclass(frozen=True)
+class Diff:
+    """A paired per-window difference: mean and standard error."""
+
+    mean: float
+    se: float | None
+
+
+@dataclass(frozen=True)
+class LangQuality:
+    """One model on one language's held-out windows."""
+
+    nll: float
+    ppl: float
+    kl: float | None
+    top1: float | None
+
+
+@dataclass(frozen=True)
+class Repeats:
+    """One model's longest repeat runs over the prompts of one language."""
+
+    max_tokens: int
+    max_chars: int
+    mean_tokens: float
+
+
+@dataclass(frozen=True)
+class RouterFit:
+    """A router-fit checkpoint's fit: tokens, and each layer's held-out error before / after."""
+
+    tokens: int
+    holdout: tuple[tuple[float, float], ...]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One pruning method's checkpoint (an entry of ``results.json``'s ``pruning``)."""
+
+    name: str
+    label: str
+    sparsity: float
+    plan: str
+    path: str
+    experts_before: int
+    experts_after: int
+    reap_mass_d: float
+    overlap: float | None
+    verify_ok: bool
+    tensors: int | None
+    tensors_matching_source: int | None
+    quantization_format: list[str]
+    bytes: int
+    seconds: float
+    fit: RouterFit | None
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    """One evaluated model: the unpruned reference, a pruned checkpoint, or the ablation."""
+
+    name: str
+    label: str
+    quality: dict[str, LangQuality]
+    repeats: dict[str, Repeats]
+    pruned: Checkpoint | None
+
+
+@dataclass(frozen=True)
+class PairedRow:
+    """A paired difference, second (``b``) minus first (``a``), per language; KL where fitted."""
+
+    a: str
+    b: str
+    nll: dict[str, Diff]
+    kl: dict[str, Diff] | None
+
+
+@dataclass(frozen=True)
+class FlipPair:
+    """One pair of rankings of the flip table at the job's sparsity."""
+
+    earlier: str
+    later: str
+    change: str
+    tokens_added: dict[str, int]
+    flips: int
+    pct_of_kept_slots: float
+    x_first_pair: float | None
+    zh_heavy: tuple[float, float] | None  # promoted, all
+    code_heavy: tuple[float, float] | None
+    mass_under_later_plan: float | None
+    mass_own: float | None
+    support_en: dict
+
+
+@dataclass(frozen=True)
+class FlipCell:
+    """One pair of the flip table at one cut point."""
+
+    flips: int
+    pct_of_kept_slots: float
+    promoted_zh_heavy: float | None
+    all_zh_heavy: float | None
+
+
+@dataclass(frozen=True)
+class CutPoint:
+    """The flip table's pairs at one sparsity."""
+
+    sparsity: float
+    keep: int
+    kept_slots: int
+    pairs: dict[str, FlipCell]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One greedy continuation."""
+
+    lang: str
+    prompt: int
+    text: str
+    repeat_run_tokens: int
+
+
+@dataclass(frozen=True)
+class Results:
+    """Everything the report shows, read once from ``results.json``."""
+
+    raw: dict  # the sections shown as given (config, calibration, compare, model card, ...)
+    models: tuple[ModelRow, ...]  # in report order: unpruned, each method, the ablation
+    paired: tuple[PairedRow, ...]
+    flip_pairs: tuple[FlipPair, ...]
+    cut_points: tuple[CutPoint, ...]
+    generations: dict[str, tuple[Generation, ...]]
+
+    @property
+    def pruned(self) -> list[Checkpoint]:
+        """The pruned checkpoints, in the job's method order."""
+        return [m.pruned for m in self.models if m.pruned is not None]
+
+    def model(self, name: str) -> ModelRow:
+        """The model ``name``."""
+        return next(m for m in self.models if m.name == name)
+
+    def label(self, name: str) -> str:
+        """The table label of model ``name``."""
+        return self.model(name).label
+
+
+def _diff(d: dict) -> Diff:
+    return Diff(d["mean"], d["se"])
+
+
+def _checkpoint(name: str, r: dict) -> Checkpoint:
+    v, fit = r["verify"], r.get("router_fit")
+    return Checkpoint(
+        name=name,
+        label=r["label"],
+        sparsity=r["sparsity"],
+        plan=r["plan"],
+        path=r["checkpoint"],
+        experts_before=r["num_experts_before"],
+        experts_after=r["num_experts_after"],
+        reap_mass_d=r["retained_reap_mass_D"],
+        overlap=r.get("overlap_with_reap_en_zh_code"),
+        verify_ok=v["ok"],
+        tensors=v.get("tensors"),
+        tensors_matching_source=v.get("tensors_matching_source"),
+        quantization_format=v.get("quantization_format") or [],
+        bytes=r["bytes"],
+        seconds=r["seconds"],
+        fit=RouterFit(
+            fit["tokens"],
+            tuple((x["holdout_before"], x["holdout_after"]) for x in fit["layers"].values()),
+        )
+        if fit
+        else None,
+    )
+
+
+def _model(results: dict, name: str) -> ModelRow:
+    q, gs = results["eval"]["quality"][name], results["generations"]["summary"][name]
+    pr = results["pruning"].get(name)
+    label = {REFERENCE: "unpruned", ABLATION: "no routed experts (reference)"}.get(name)
+    return ModelRow(
+        name=name,
+        label=label or pr["label"],
+        quality={
+            l: LangQuality(q[l]["nll"], q[l]["ppl"], q[l].get("kl"), q[l].get("top1_agreement"))
+            for l in LANGS
+        },
+        repeats={
+            l: Repeats(
+                gs[l]["max_repeat_run_tokens"],
+                gs[l]["max_repeat_run_chars"],
+                gs[l]["mean_repeat_run_tokens"],
+            )
+            for l in LANGS
+        },
+        pruned=_checkpoint(name, pr) if pr is not None else None,
+    )
+
+
+def _routing(pair: dict, b: str) -> tuple[float, float] | None:
+    r = next((r for r in pair["routing"] if r["a"] == "en" and r["b"] == b), None)
+    return (r["promoted_frac_more_by_b"], r["all_frac_more_by_b"]) if r else None
+
+
+def _flip_pair(p: dict) -> FlipPair:
+    mass = p.get("mass") or {}
+    return FlipPair(
+        earlier=p["earlier"],
+        later=p["later"],
+        change=p["change"],
+        tokens_added=p["tokens_added"],
+        flips=p["flips"],
+        pct_of_kept_slots=p["pct_of_kept_slots"],
+        x_first_pair=p["x_first_pair"],
+        zh_heavy=_routing(p, "zh"),
+        code_heavy=_routing(p, "code"),
+        mass_under_later_plan=mass.get("earlier_saliency_under_later_plan"),
+        mass_own=mass.get("own_earlier"),
+        support_en=(p.get("support") or {}).get("rate@en", {}).get("promoted", {}),
+    )
+
+
+def _cut_point(sparsity: str, f: dict) -> CutPoint:
+    return CutPoint(
+        sparsity=float(sparsity),
+        keep=f["keep"],
+        kept_slots=f["kept_slots"],
+        pairs={
+            k: FlipCell(
+                r["flips"], r["pct_of_kept_slots"], r["promoted_zh_heavy"], r["all_zh_heavy"]
+            )
+            for k, r in f["pairs"].items()
+        },
+    )
+
+
+def read_results(results: dict) -> Results:
+    """The typed records of a ``results.json`` document."""
+    quality = results["eval"]["quality"]
+    order = [REFERENCE, *results["pruning"], *(n for n in (ABLATION,) if n in quality)]
+    paired = tuple(
+        PairedRow(
+            p["a"],
+            p["b"],
+            {l: _diff(p[l]) for l in LANGS},
+            {l: _diff(p["kl"][l]) for l in LANGS} if "kl" in p else None,
+        )
+        for p in results["paired"]
+    )
+    generations = {
+        name: tuple(
+            Generation(r["lang"], r["prompt"], r["text"], r["repeat_run_tokens"]) for r in rows
+        )
+        for name, rows in results["generations"]["by_model"].items()
+    }
+    return Results(
+        raw=results,
+        models=tuple(_model(results, n) for n in order),
+        paired=paired,
+        flip_pairs=tuple(_flip_pair(p) for p in results["compare"]["pairs"]),
+        cut_points=tuple(
+            _cut_point(sp, f) for sp, f in (results.get("flips_by_sparsity") or {}).items()
+        ),
+        generations=generations,
+    )
