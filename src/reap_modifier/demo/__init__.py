@@ -8,10 +8,13 @@ do to quality -- measured end to end on the bundled MXFP4 Kimi-K3-architecture m
    its directory and keeps only the scores file), then merge the files: ``A`` = en1, ``B`` = en1+en2
    (REAP(en)), ``C`` = B+zh, ``D`` = C+code (REAP(en+zh+code)).
 2. **Prune** to 50% with REAP(en), REAP(en+zh), REAP(en+zh+code), frequency (from D), router_l1,
-   router_signed_sum and random -- and REAP(en), REAP(en+zh+code), random also to 75% (where the
-   seed's build collapsed in Chinese): each plan by :func:`~reap_modifier.scores.plan.plan_from_scores`,
+   router_signed_sum, random, and REAP(en) / REAP(en+zh+code) with their routers fitted after the
+   cut -- every method also to 75% (where the seed's build collapsed in Chinese), the REAP mixes
+   and random also to 25%: each plan by :func:`~reap_modifier.scores.plan.plan_from_scores`,
    each checkpoint by :func:`~reap_modifier.checkpoint.rewrite_checkpoint` (kept MXFP4 bytes copied
    verbatim) and checked by :func:`~reap_modifier.checkpoint.verify.verify_checkpoint` against the source.
+   The methods are the rows of :data:`~reap_modifier.demo.config.METHODS`; adding one is adding a
+   row (the :mod:`~reap_modifier.demo.config` docstring says how).
 3. **Evaluate** the unpruned model, every pruned checkpoint and (for scale) the unpruned model with
    every routed expert's output zeroed on held-out English / Chinese / code windows
    (:mod:`reap_modifier.evaluation`): NLL / perplexity, top-1 agreement and KL to the unpruned model,

@@ -20,6 +20,8 @@ def _package_doc() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the job (or print ``--tables``); returns the exit code.
+    (Long because it is the argument parser's option list written out.)"""
     ap = argparse.ArgumentParser(
         prog="python -m reap_modifier.demo", description=_package_doc().split("\n\n")[0]
     )

@@ -312,8 +312,8 @@ def _calibration(res: Results) -> list[str]:
 
 
 def _quality(res: Results) -> list[str]:
-    """NLL, agreement and KL against the unpruned model, and the paired differences. (Long
-    because it is one report section, table after table.)"""
+    """NLL, agreement and KL against the unpruned model, the paired differences, where REAP loses
+    to a baseline, and the model card's NLL."""
     ev, E = res.raw["eval"], res.raw["model"]["num_experts"]
     lines = [
         "## Quality after pruning",
