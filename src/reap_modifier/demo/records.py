@@ -9,6 +9,116 @@ from .config import ABLATION, LANGS, REFERENCE
 
 
 @dataclass(frozen=True)
+class RunInfo:
+    """How the job ran: command, time, sizes of evaluation and generation, timing, versions."""
+
+    command: str | None
+    created: str
+    sparsity: float
+    quick: bool
+    threads: int
+    windows_per_lang: int
+    seq_len: int
+    eval_seed: int
+    prompts_per_lang: int
+    prompt_tokens: int
+    new_tokens: int
+    timing: dict[str, float]
+    versions: dict[str, str]
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """The bundled model card's held-out NLL, whether the job used its windows, its corpora."""
+
+    loss: dict[str, float]
+    same_windows: bool
+    corpora: dict | None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model pruned, and the folder the rewriter read it through."""
+
+    path: str
+    model_class: str | None
+    top_k: int | None
+    num_experts: int
+    moe_layers: int
+    checkpoint_source: str
+    left_out: list[str]
+    card: ModelCard | None
+
+
+@dataclass(frozen=True)
+class CalibrationRun:
+    """One ``oneshot`` calibration run (one corpus part)."""
+
+    part: str
+    source: str
+    tokens: int
+    rows: int
+    source_tokens: dict[str, int]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PackedCheck:
+    """A part calibrated again on the decompressed model: the largest relative difference."""
+
+    part: str
+    max_rel: float
+    statistics: int
+    tolerance: float
+
+
+@dataclass(frozen=True)
+class MergedRanking:
+    """A ranking of the flip table: the parts merged and their tokens per source."""
+
+    label: str
+    parts: list[str]
+    tokens: dict[str, int]
+
+
+@dataclass(frozen=True)
+class RankingMass:
+    """A ranking's retained REAP mass under its own plan."""
+
+    label: str
+    corpus: str
+    retained_mass: float
+
+
+@dataclass(frozen=True)
+class FlipSetup:
+    """Where the flip table cuts: ``keep`` of ``num_experts`` in each of ``num_layers``; promoted
+    experts count as zh- (code-) heavy when routed ``threshold`` x more often than by en."""
+
+    keep: int
+    num_experts: int
+    num_layers: int
+    threshold: float
+
+
+@dataclass(frozen=True)
+class Tier:
+    """The retained REAP(en+zh+code) mass when keeping ``keep`` experts."""
+
+    keep: int
+    pruned_fraction: float
+    retained_mass_mean: float
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A generation prompt."""
+
+    source: str
+    text: str
+
+
+@dataclass(frozen=True)
 class Diff:
     """A paired per-window difference: mean and standard error."""
 
@@ -138,11 +248,19 @@ class Generation:
 class Results:
     """Everything the report shows, read once from ``results.json``."""
 
-    raw: dict  # the sections shown as given (config, calibration, compare, model card, ...)
+    run: RunInfo
+    model_info: ModelInfo
+    calibration_runs: tuple[CalibrationRun, ...]
+    packed_check: PackedCheck | None
+    rankings: tuple[MergedRanking, ...]
     models: tuple[ModelRow, ...]  # in report order: unpruned, each method, the ablation
     paired: tuple[PairedRow, ...]
+    flip_setup: FlipSetup
+    ranking_masses: tuple[RankingMass, ...]
     flip_pairs: tuple[FlipPair, ...]
     cut_points: tuple[CutPoint, ...]
+    tiers: tuple[Tier, ...]
+    prompts: dict[str, tuple[Prompt, ...]]
     generations: dict[str, tuple[Generation, ...]]
 
     @property
@@ -250,32 +368,96 @@ def _cut_point(sparsity: str, f: dict) -> CutPoint:
     )
 
 
+def _run_info(results: dict) -> RunInfo:
+    cfg, ev = results["config"], results["eval"]
+    return RunInfo(
+        command=results.get("command"),
+        created=results["created"],
+        sparsity=cfg["sparsity"],
+        quick=cfg["quick"],
+        threads=cfg["threads"],
+        windows_per_lang=ev["windows_per_lang"],
+        seq_len=ev["seq_len"],
+        eval_seed=ev["seed"],
+        prompts_per_lang=cfg["prompts_per_lang"],
+        prompt_tokens=cfg["prompt_tokens"],
+        new_tokens=results["generations"]["new_tokens"],
+        timing=results["timing"],
+        versions=results["versions"],
+    )
+
+
+def _model_info(results: dict) -> ModelInfo:
+    mdl, card = results["model"], results["model"].get("model_card")
+    return ModelInfo(
+        path=mdl["path"],
+        model_class=mdl["model_class"],
+        top_k=mdl["top_k"],
+        num_experts=mdl["num_experts"],
+        moe_layers=len(mdl["moe_layers"]),
+        checkpoint_source=mdl.get("checkpoint_source"),
+        left_out=mdl.get("left_out_of_checkpoint_source") or [],
+        card=ModelCard(card["loss"], bool(card.get("same_windows")), card.get("corpora"))
+        if card and card.get("loss")
+        else None,
+    )
+
+
 def read_results(results: dict) -> Results:
     """The typed records of a ``results.json`` document."""
-    quality = results["eval"]["quality"]
-    order = [REFERENCE, *results["pruning"], *(n for n in (ABLATION,) if n in quality)]
-    paired = tuple(
-        PairedRow(
-            p["a"],
-            p["b"],
-            {l: _diff(p[l]) for l in LANGS},
-            {l: _diff(p["kl"][l]) for l in LANGS} if "kl" in p else None,
-        )
-        for p in results["paired"]
+    quality, calibration, cmp = (
+        results["eval"]["quality"],
+        results["calibration"],
+        results["compare"],
     )
-    generations = {
-        name: tuple(
-            Generation(r["lang"], r["prompt"], r["text"], r["repeat_run_tokens"]) for r in rows
-        )
-        for name, rows in results["generations"]["by_model"].items()
-    }
+    order = [REFERENCE, *results["pruning"], *(n for n in (ABLATION,) if n in quality)]
+    pc = calibration.get("packed_check")
     return Results(
-        raw=results,
+        run=_run_info(results),
+        model_info=_model_info(results),
+        calibration_runs=tuple(
+            CalibrationRun(
+                r["part"], r["source"], r["tokens"], r["rows"], r["source_tokens"], r["seconds"]
+            )
+            for r in calibration["runs"]
+        ),
+        packed_check=PackedCheck(pc["part"], pc["max_rel"], pc["statistics"], pc["tolerance"])
+        if pc
+        else None,
+        rankings=tuple(
+            MergedRanking(label, r["parts"], r["tokens"])
+            for label, r in calibration["rankings"].items()
+        ),
         models=tuple(_model(results, n) for n in order),
-        paired=paired,
-        flip_pairs=tuple(_flip_pair(p) for p in results["compare"]["pairs"]),
+        paired=tuple(
+            PairedRow(
+                p["a"],
+                p["b"],
+                {l: _diff(p[l]) for l in LANGS},
+                {l: _diff(p["kl"][l]) for l in LANGS} if "kl" in p else None,
+            )
+            for p in results["paired"]
+        ),
+        flip_setup=FlipSetup(cmp["keep"], cmp["num_experts"], cmp["num_layers"], cmp["threshold"]),
+        ranking_masses=tuple(
+            RankingMass(r["label"], r["corpus"], r["retained_mass"]) for r in cmp["rankings"]
+        ),
+        flip_pairs=tuple(_flip_pair(p) for p in cmp["pairs"]),
         cut_points=tuple(
             _cut_point(sp, f) for sp, f in (results.get("flips_by_sparsity") or {}).items()
         ),
-        generations=generations,
+        tiers=tuple(
+            Tier(t["keep"], t["pruned_fraction"], t["retained_mass_mean"])
+            for t in results["tiers"]["rows"] or []
+        ),
+        prompts={
+            lang: tuple(Prompt(p["source"], p["text"]) for p in ps)
+            for lang, ps in results["generations"]["prompts"].items()
+        },
+        generations={
+            name: tuple(
+                Generation(r["lang"], r["prompt"], r["text"], r["repeat_run_tokens"]) for r in rows
+            )
+            for name, rows in results["generations"]["by_model"].items()
+        },
     )

@@ -81,7 +81,7 @@ def write_plots(results: dict, out: Path) -> None:
         handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8, frameon=False
     )
     fig.suptitle(
-        f"Expert pruning of {Path(results['model']['path']).name}: held-out quality per language"
+        f"Expert pruning of {Path(res.model_info.path).name}: held-out quality per language"
         " (dashed: all routed experts removed)",
         fontsize=11,
     )
@@ -236,16 +236,16 @@ def render_report(results: dict) -> str:
 
 
 def _title(res: Results) -> list[str]:
-    cfg, mdl, pruned = res.raw["config"], res.raw["model"], res.pruned
-    E, k, L = mdl["num_experts"], pruned[0].experts_after, len(mdl["moe_layers"])
-    extra = sorted({c.sparsity for c in pruned} - {cfg["sparsity"]})
+    run, mdl, pruned = res.run, res.model_info, res.pruned
+    E, k, L = mdl.num_experts, pruned[0].experts_after, mdl.moe_layers
+    extra = sorted({c.sparsity for c in pruned} - {run.sparsity})
     fits = [c for c in pruned if c.fit]
     fmts = pruned[0].quantization_format
     return [
         "# REAP expert pruning: does the calibration language matter, and what does it cost?",
         "",
-        f"Model `{mdl['path']}` ({mdl['model_class']}, {L} MoE layers x {E} routed experts, top-{mdl['top_k']}"
-        f"{', checkpoint format ' + ', '.join(fmts) if fmts else ''}); every MoE layer pruned to {k} of {E} experts (sparsity {cfg['sparsity']:g})"
+        f"Model `{mdl.path}` ({mdl.model_class}, {L} MoE layers x {E} routed experts, top-{mdl.top_k}"
+        f"{', checkpoint format ' + ', '.join(fmts) if fmts else ''}); every MoE layer pruned to {k} of {E} experts (sparsity {run.sparsity:g})"
         + (
             f", and also at sparsity {', '.join(f'{x:g}' for x in extra)} (the methods listed below)"
             if extra
@@ -257,17 +257,16 @@ def _title(res: Results) -> list[str]:
             if fits
             else ""
         )
-        + f".{' **Quick mode: tiny sizes, the numbers mean nothing.**' if cfg['quick'] else ''}",
+        + f".{' **Quick mode: tiny sizes, the numbers mean nothing.**' if run.quick else ''}",
         "",
-        f"Produced by `{res.raw.get('command') or 'reap_modifier.demo.run'}` on {res.raw['created']} in"
-        f" {res.raw['timing']['total']:.0f} s ({cfg['threads']} CPU thread{'s' if cfg['threads'] > 1 else ''});"
+        f"Produced by `{run.command or 'reap_modifier.demo.run'}` on {run.created} in"
+        f" {run.timing['total']:.0f} s ({run.threads} CPU thread{'s' if run.threads > 1 else ''});"
         " every number below is in `results.json`.",
         "",
     ]
 
 
 def _calibration(res: Results) -> list[str]:
-    calibration = res.raw["calibration"]
     lines = [
         "## Calibration",
         "",
@@ -278,27 +277,27 @@ def _calibration(res: Results) -> list[str]:
         "| part | corpus | tokens | windows | sources (tokens) | seconds |",
         "|---|---|---:|---:|---|---:|",
     ]
-    for r in calibration["runs"]:
+    for r in res.calibration_runs:
         src = ", ".join(
-            f"{s} {tokens(n)}" for s, n in sorted(r["source_tokens"].items(), key=lambda kv: -kv[1])
+            f"{s} {tokens(n)}" for s, n in sorted(r.source_tokens.items(), key=lambda kv: -kv[1])
         )
         lines.append(
-            f"| {r['part']} | {r['source']} | {r['tokens']:,} | {r['rows']} | {src} | {r['seconds']:.1f} |"
+            f"| {r.part} | {r.source} | {r.tokens:,} | {r.rows} | {src} | {r.seconds:.1f} |"
         )
-    pc = calibration.get("packed_check")
+    pc = res.packed_check
     if pc:
         lines += [
             "",
             f"Every run kept the MXFP4 experts packed and dequantized one MoE layer at a time"
-            f" (`dequantize: layer`). Check: part {pc['part']} calibrated again on the fully"
-            f" decompressed model gives the same statistics to {pc['max_rel']:.1e} relative"
-            f" ({pc['statistics']:,} values; tolerance {pc['tolerance']:g}).",
+            f" (`dequantize: layer`). Check: part {pc.part} calibrated again on the fully"
+            f" decompressed model gives the same statistics to {pc.max_rel:.1e} relative"
+            f" ({pc.statistics:,} values; tolerance {pc.tolerance:g}).",
         ]
     lines += ["", "| ranking | = | tokens |", "|---|---|---|"]
-    for label, r in calibration["rankings"].items():
+    for r in res.rankings:
         lines.append(
-            f"| {label} | {' + '.join(r['parts'])} | "
-            + ", ".join(f"{s} {tokens(n)}" for s, n in r["tokens"].items())
+            f"| {r.label} | {' + '.join(r.parts)} | "
+            + ", ".join(f"{s} {tokens(n)}" for s, n in r.tokens.items())
             + " |"
         )
     mixes = ", ".join(f"{m.label} = {m.ranking}" for m in METHODS if m.role == "mix")
@@ -314,12 +313,12 @@ def _calibration(res: Results) -> list[str]:
 def _quality(res: Results) -> list[str]:
     """NLL, agreement and KL against the unpruned model, the paired differences, where REAP loses
     to a baseline, and the model card's NLL."""
-    ev, E = res.raw["eval"], res.raw["model"]["num_experts"]
+    run, E = res.run, res.model_info.num_experts
     lines = [
         "## Quality after pruning",
         "",
-        f"Held-out windows: {ev['windows_per_lang']} x {ev['seq_len']} tokens per language from the eval split"
-        f" (never trained on, never calibrated on; `data.eval_windows`, seed {ev['seed']}), mean next-token NLL"
+        f"Held-out windows: {run.windows_per_lang} x {run.seq_len} tokens per language from the eval split"
+        f" (never trained on, never calibrated on; `data.eval_windows`, seed {run.eval_seed}), mean next-token NLL"
         " in nats (perplexity in brackets). `REAP(D) mass`: fraction of REAP(en+zh+code) saliency the plan keeps"
         " (layer mean) -- one yardstick for every method. `overlap`: kept experts shared with REAP(en+zh+code)"
         " at the same sparsity. The last row zeroes every routed expert's output (shared experts kept): what"
@@ -366,26 +365,20 @@ def _quality(res: Results) -> list[str]:
 
 def _model_card(res: Results) -> list[str]:
     """The unpruned NLL against the bundled model card's, and the corpora against the card's."""
-    card = res.raw["model"].get("model_card")
-    if not (card and card.get("loss")):
+    card = res.model_info.card
+    if card is None:
         return []
     ref = res.model(REFERENCE)
     lines = [
         "",
         "Unpruned NLL vs the model card"
-        + (
-            " (same windows)"
-            if card.get("same_windows")
-            else " (different windows: not comparable)"
-        )
+        + (" (same windows)" if card.same_windows else " (different windows: not comparable)")
         + ": "
-        + ", ".join(
-            f"{l} {_f(ref.quality[l].nll, 4)} vs {_f(card['loss'].get(l), 4)}" for l in LANGS
-        )
+        + ", ".join(f"{l} {_f(ref.quality[l].nll, 4)} vs {_f(card.loss.get(l), 4)}" for l in LANGS)
         + ".",
     ]
-    if card.get("corpora"):
-        lines += ["", "Corpora vs the model card: " + describe_corpora(card["corpora"])]
+    if card.corpora:
+        lines += ["", "Corpora vs the model card: " + describe_corpora(card.corpora)]
     return lines
 
 
@@ -425,7 +418,7 @@ def _router_fit(res: Results) -> list[str]:
                 f" {p.kl[lang].mean:+.4f} +- {_f(p.kl[lang].se, 4)} |"
                 f" {p.nll[lang].mean:+.4f} +- {_f(p.nll[lang].se, 4)} |"
             )
-    n_layers = len(res.raw["model"]["moe_layers"])
+    n_layers = res.model_info.moe_layers
     lines += [
         "",
         f"Target (KL at least {FIT_TARGET:.0%} lower than the cut alone): met in {met} of"
@@ -449,13 +442,13 @@ def _router_fit(res: Results) -> list[str]:
 
 
 def _degeneration(res: Results) -> list[str]:
-    cfg = res.raw["config"]
+    run = res.run
     lines = [
         "",
         "## Degeneration check (the seed's)",
         "",
-        f"Greedy continuations of {cfg['prompts_per_lang']} held-out prompt(s) per language"
-        f" ({cfg['prompt_tokens']} prompt tokens, {res.raw['generations']['new_tokens']} new tokens): the longest"
+        f"Greedy continuations of {run.prompts_per_lang} held-out prompt(s) per language"
+        f" ({run.prompt_tokens} prompt tokens, {run.new_tokens} new tokens): the longest"
         " run of back-to-back copies of one substring (the seed: 3 in healthy output, thousands in a collapsed"
         " one): the maximum over the prompts in tokens / in characters, and the mean over prompts in tokens."
         " Read it against the unpruned row: greedy decoding of a model this small loops on its own.",
@@ -476,14 +469,14 @@ def _degeneration(res: Results) -> list[str]:
 
 def _flips(res: Results) -> list[str]:
     """The seed's flip table, retained masses and the other cut points."""
-    cmp = res.raw["compare"]
+    cut = res.flip_setup
     lines = [
         "",
         "## The seed's flip table on our data",
         "",
-        f"Rankings cut at {cmp['keep']} of {cmp['num_experts']} experts in each of {cmp['num_layers']} MoE layers"
-        f" ({cmp['num_layers'] * cmp['keep']} kept slots). A flip is a kept slot whose expert changes. Promoted"
-        f" experts (kept by the later ranking, dropped by the earlier): share routed >= {cmp['threshold']:g}x more"
+        f"Rankings cut at {cut.keep} of {cut.num_experts} experts in each of {cut.num_layers} MoE layers"
+        f" ({cut.num_layers * cut.keep} kept slots). A flip is a kept slot whose expert changes. Promoted"
+        f" experts (kept by the later ranking, dropped by the earlier): share routed >= {cut.threshold:g}x more"
         " often per token by zh (code) than by en, against the share among all experts.",
         "",
         "| pair | change | tokens added | flips | % of kept slots | x A->B | promoted zh-heavy (all) |"
@@ -509,8 +502,8 @@ def _flips(res: Results) -> list[str]:
         "| ranking | corpus | retained mass |",
         "|---|---|---:|",
     ]
-    for r in cmp["rankings"]:
-        lines.append(f"| {r['label']} | {r['corpus']} | {pct(r['retained_mass'], 2)} |")
+    for r in res.ranking_masses:
+        lines.append(f"| {r.label} | {r.corpus} | {pct(r.retained_mass, 2)} |")
     bc = by.get(("B", "C"))
     if bc is not None:
         sup = bc.support_en
@@ -543,24 +536,23 @@ def _tiers(res: Results) -> list[str]:
         " `tiers/`.",
         "",
     ]
-    tiers = res.raw["tiers"]["rows"] or []
-    if tiers:
+    if res.tiers:
         lines += [
             "Retained REAP(en+zh+code) mass by tier:",
             "",
             "| keep | pruned | retained mass |",
             "|---:|---:|---:|",
         ]
-        for t in tiers:
+        for t in res.tiers:
             lines.append(
-                f"| {t['keep']} | {pct(t['pruned_fraction'], 1)} | {pct(t['retained_mass_mean'], 1)} |"
+                f"| {t.keep} | {pct(t.pruned_fraction, 1)} | {pct(t.retained_mass_mean, 1)} |"
             )
         lines.append("")
     return lines
 
 
 def _checkpoints(res: Results) -> list[str]:
-    mdl = res.raw["model"]
+    mdl = res.model_info
     lines = [
         "## Checkpoints",
         "",
@@ -570,10 +562,10 @@ def _checkpoints(res: Results) -> list[str]:
         " (which names every tensor that differs from its source and why):",
         "",
     ]
-    if mdl.get("left_out_of_checkpoint_source"):
+    if mdl.left_out:
         lines += [
-            f"(The rewriter read the source through `{mdl['checkpoint_source']}`, a byte-identical copy of every file of"
-            f" the model folder except {', '.join(f'`{f}`' for f in mdl['left_out_of_checkpoint_source'])},"
+            f"(The rewriter read the source through `{mdl.checkpoint_source}`, a byte-identical copy of every file of"
+            f" the model folder except {', '.join(f'`{f}`' for f in mdl.left_out)},"
             " which is not a weight shard and which the rewriter refuses.)",
             "",
         ]
@@ -592,10 +584,9 @@ def _checkpoints(res: Results) -> list[str]:
 
 def _generations(res: Results) -> list[str]:
     lines = ["", "## Generations", ""]
-    prompts = res.raw["generations"]["prompts"]
     for lang in LANGS:
-        for i, p in enumerate(prompts[lang][:1]):
-            lines += [f"**{lang}**, prompt ({p['source']}): `{_md(p['text'])}`", ""]
+        for i, p in enumerate(res.prompts[lang][:1]):
+            lines += [f"**{lang}**, prompt ({p.source}): `{_md(p.text)}`", ""]
             for m in res.models:
                 row = next(r for r in res.generations[m.name] if r.lang == lang and r.prompt == i)
                 lines.append(f"- {m.label} (run {row.repeat_run_tokens} tok): `{_md(row.text)}`")
@@ -604,7 +595,7 @@ def _generations(res: Results) -> list[str]:
 
 
 def _timing_and_limits(res: Results) -> list[str]:
-    t = res.raw["timing"]
+    t = res.run.timing
     return [
         "## Timing",
         "",
@@ -619,7 +610,7 @@ def _timing_and_limits(res: Results) -> list[str]:
         " stream and understate the uncertainty. Greedy continuations of a model this weak are poor even"
         " unpruned, so the repeat runs separate collapse from non-collapse, not good text from bad.",
         "",
-        "Versions: " + ", ".join(f"{k} {v}" for k, v in res.raw["versions"].items()),
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in res.run.versions.items()),
         "",
     ]
 
@@ -646,7 +637,7 @@ def summary_tables(results: dict) -> str:
 
 def _summary_quality(res: Results) -> list[str]:
     """One row per model: experts, REAP mass, NLL and KL per language, top-1 and repeat runs in zh."""
-    E = res.raw["model"]["num_experts"]
+    E = res.model_info.num_experts
     lines = [
         "| model | experts kept | REAP mass kept | NLL en | NLL zh | NLL code | KL en | KL zh | KL code |"
         " top-1 zh | zh repeat run, max / mean |",
