@@ -9,8 +9,8 @@ checkpoint, the paired-difference tables (:func:`.results.paired_rows`) pair eac
 ``role``, and the report lists every row in table order. A row says:
 
 - ``role="mix"``: a REAP calibration mix. Its ``ranking`` (one of :data:`RANKINGS`) names the merged
-  scores it cuts from; consecutive mixes are paired (the calibration-language ladder), and each is
-  paired against :data:`HEADLINE_METHOD`.
+  scores it cuts from; consecutive mixes (in table order) are paired (the calibration-language
+  ladder), and each is paired against :data:`HEADLINE_METHOD`.
 - ``role="baseline"``: ranks without REAP saliency (``kind="weights"``: from the router weights by
   ``saliency``; ``kind="calibrated"``: another statistic of ``ranking``'s scores). Paired against
   :data:`HEADLINE_METHOD`, and the report lists where that method loses to it.
