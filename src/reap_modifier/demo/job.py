@@ -7,7 +7,8 @@ a record (see the package docstring for the whole story):
    :data:`~.config.METHODS`;
 3. :mod:`.quality` -- held-out quality and greedy generations of every model;
 4. :mod:`.comparison` -- the flip table and the tiers;
-5. :mod:`.results` -- ``results.json``; :mod:`.report` -- ``report.md`` and the plots."""
+5. :mod:`.results` -- ``results.json``; :mod:`.report` -- ``report.md``; :mod:`.report_plots` --
+   the plots."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from .config import QUICK, DemoConfig, choose_threads
 from .inputs import load_inputs
 from .prune import prune_and_verify
 from .quality import evaluate_quality, generate_texts, load_models
-from .report import render_report, write_plots
+from .report import render_report
+from .report_plots import write_plots
 from .results import assemble_results
 from .workspace import Clock, checkpoint_source, log_line, prepare_out_dir
 

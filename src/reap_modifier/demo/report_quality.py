@@ -1,0 +1,172 @@
+"""The quality sections: held-out NLL, agreement and KL against the unpruned model (with the
+paired differences and the model card), the router fit against the cut alone, and the summary's
+one-row-per-model table."""
+
+from __future__ import annotations
+
+from ..analysis.formatting import pct
+from .config import LANGS, REFERENCE
+from .provenance import describe as describe_corpora
+from .records import Results
+from .report_tables import fmt, is_fit, paired_nll_table, reap_losses
+
+#: the router fit's target: held-out KL this much lower than the same cut alone
+FIT_TARGET = 0.2
+
+
+def quality_section(res: Results) -> list[str]:
+    """NLL, agreement and KL against the unpruned model, the paired differences, where REAP loses
+    to a baseline, and the model card's NLL."""
+    run, E = res.run, res.model_info.num_experts
+    lines = [
+        "## Quality after pruning",
+        "",
+        f"Held-out windows: {run.windows_per_lang} x {run.seq_len} tokens per language from the eval split"
+        f" (never trained on, never calibrated on; `data.eval_windows`, seed {run.eval_seed}), mean next-token NLL"
+        " in nats (perplexity in brackets). `REAP(D) mass`: fraction of REAP(en+zh+code) saliency the plan keeps"
+        " (layer mean) -- one yardstick for every method. `overlap`: kept experts shared with REAP(en+zh+code)"
+        " at the same sparsity. The last row zeroes every routed expert's output (shared experts kept): what"
+        " losing all of them would cost, for scale.",
+        "",
+        "| model | experts kept | REAP(D) mass | overlap | NLL en | NLL zh | NLL code |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m in res.models:
+        if m.pruned is not None:
+            kept, mass = f"{m.pruned.experts_after}", pct(m.pruned.reap_mass_d)
+            ov = pct(m.pruned.overlap, 0)
+        else:
+            kept, mass, ov = (f"{E}", "100%", "-") if m.name == REFERENCE else ("0", "0%", "-")
+        cells = " | ".join(f"{fmt(m.quality[l].nll)} ({fmt(m.quality[l].ppl, 1)})" for l in LANGS)
+        lines.append(f"| {m.label} | {kept} | {mass} | {ov} | {cells} |")
+    lines += [
+        "",
+        "Against the unpruned model on the same windows (top-1: fraction of positions where the argmax"
+        " next token agrees; KL(unpruned || pruned) in nats per token):",
+        "",
+        "| model | top-1 en | top-1 zh | top-1 code | KL en | KL zh | KL code |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m in res.models[1:]:
+        lines.append(
+            f"| {m.label} | "
+            + " | ".join(pct(m.quality[l].top1) for l in LANGS)
+            + " | "
+            + " | ".join(fmt(m.quality[l].kl, 4) for l in LANGS)
+            + " |"
+        )
+    lines += [
+        "",
+        "![quality per language](quality.png)",
+        "",
+        "Paired per-window NLL differences (second minus first; mean +- standard error over windows;"
+        " positive = the second is worse):",
+        "",
+        *paired_nll_table(res),
+    ]
+    return lines + reap_losses(res) + _model_card(res)
+
+
+def _model_card(res: Results) -> list[str]:
+    """The unpruned NLL against the bundled model card's, and the corpora against the card's."""
+    card = res.model_info.card
+    if card is None:
+        return []
+    ref = res.model(REFERENCE)
+    lines = [
+        "",
+        "Unpruned NLL vs the model card"
+        + (" (same windows)" if card.same_windows else " (different windows: not comparable)")
+        + ": "
+        + ", ".join(
+            f"{l} {fmt(ref.quality[l].nll, 4)} vs {fmt(card.loss.get(l), 4)}" for l in LANGS
+        )
+        + ".",
+    ]
+    if card.corpora:
+        lines += ["", "Corpora vs the model card: " + describe_corpora(card.corpora)]
+    return lines
+
+
+def router_fit_section(res: Results) -> list[str]:
+    """REAP's cut alone against the same cut with its routers fitted (``calibrate_router``):
+    KL to the unpruned model and NLL per language, paired per window."""
+    rows = [p for p in res.paired if is_fit(res, p.b)]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Router calibration after the cut",
+        "",
+        "The same REAP cut, alone and with every kept router fitted afterwards so the pruned block's"
+        " output matches the unpruned block's on calibration tokens (`calibrate_router`; experts"
+        " untouched, their bytes copied from the source). Fitted on the calibration split only,"
+        " judged on the held-out windows above. KL(unpruned || model) in nats per token; the paired"
+        " differences are fit minus alone (negative: the fit is closer to the unpruned model / has"
+        " lower NLL), mean +- standard error over windows.",
+        "",
+        "| cut | fit tokens | language | KL alone | KL fit | KL change | dKL +- SE | dNLL +- SE |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    met, missed = 0, []
+    for p in rows:
+        alone, fitted = res.model(p.a), res.model(p.b)
+        for lang in LANGS:
+            ka, kb = alone.quality[lang].kl, fitted.quality[lang].kl
+            change = kb / ka - 1 if ka else float("nan")
+            if change <= -FIT_TARGET:
+                met += 1
+            else:
+                missed.append(f"{alone.label} {lang}")
+            lines.append(
+                f"| {alone.label} | {fitted.pruned.fit.tokens:,} | {lang} | {fmt(ka, 4)} | {fmt(kb, 4)} |"
+                f" {100 * change:+.1f}% |"
+                f" {p.kl[lang].mean:+.4f} +- {fmt(p.kl[lang].se, 4)} |"
+                f" {p.nll[lang].mean:+.4f} +- {fmt(p.nll[lang].se, 4)} |"
+            )
+    n_layers = res.model_info.moe_layers
+    lines += [
+        "",
+        f"Target (KL at least {FIT_TARGET:.0%} lower than the cut alone): met in {met} of"
+        f" {met + len(missed)} rows"
+        + (f"; not in {', '.join(missed)}." if missed else ".")
+        + " Why a router-only fit stops there (a converged optimiser, and oracle routers that"
+        " show the router's linear logits, not the data or the steps, are the limit):"
+        " docs/router-calibration.md.",
+        "",
+        "Layer-local relative error of each fitted router (held-out calibration tokens of the fit,"
+        " before -> after):",
+        "",
+        "| model | " + " | ".join(f"layer {i}" for i in range(n_layers)) + " |",
+        "|---|" + "---:|" * n_layers,
+    ]
+    for c in res.pruned:
+        if c.fit:
+            cells = [f"{before:.3f} -> {after:.3f}" for before, after in c.fit.holdout]
+            lines.append(f"| {c.label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def summary_quality(res: Results) -> list[str]:
+    """One row per model: experts, REAP mass, NLL and KL per language, top-1 and repeat runs in zh."""
+    E = res.model_info.num_experts
+    lines = [
+        "| model | experts kept | REAP mass kept | NLL en | NLL zh | NLL code | KL en | KL zh | KL code |"
+        " top-1 zh | zh repeat run, max / mean |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m in res.models:
+        if m.pruned is not None:
+            kept, mass = m.pruned.experts_after, pct(m.pruned.reap_mass_d)
+        else:
+            kept, mass = (E, "100%") if m.name == REFERENCE else (0, "0%")
+        ref = m.name == REFERENCE
+        kl = " | ".join("-" if ref else fmt(m.quality[l].kl, 4) for l in LANGS)
+        t1 = "-" if ref else pct(m.quality["zh"].top1)
+        zh = m.repeats["zh"]
+        lines.append(
+            f"| {m.label} | {kept} | {mass} | "
+            + " | ".join(fmt(m.quality[l].nll) for l in LANGS)
+            + f" | {kl} | {t1} | {zh.max_tokens} / {zh.mean_tokens:.1f} |"
+        )
+    return lines
