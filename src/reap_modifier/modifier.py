@@ -43,7 +43,7 @@ from .layerwise import LayerwiseCut
 from .models import MoEArchitecture, find_moe_architecture
 from .models.loading import register_kimi_auto_classes
 from .models.refusals import check_prunable, check_traced
-from .router_fit import FIT_METHOD, RouterFitError, fit_router, router_fit_problem
+from .post_cut import COMPONENTS, FitSettings, PostCutFit, check_post_cut_request
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
 from .scores.baselines import baseline_saliency, baseline_scores, layer_number, model_fingerprint
 from .scores.belongs import ModelFacts, check_scores_belong, routed_counts
@@ -104,10 +104,24 @@ class REAPPruningModifier(Modifier):
         (experts untouched; see ``docs/router-calibration.md``); needs calibration
         data also with ``scores_in`` / ``plan_in`` / weight baselines (then for the
         fit only, and the cut waits for the end of calibration)
-    :param router_fit_tokens: calibration tokens per MoE layer the fit uses (the
-        first ones seen; each layer holds its inputs and outputs on them in memory)
+    :param calibrate_bias: after the cut (and the router fit), fit the score-correction
+        bias (``e_score_correction_bias``), which moves the top-k selection only
+    :param compensate: after the cut, refit the MoE block's dense tensors (shared
+        experts, a latent MoE's up-projection) with the router rows, so the pruned block
+        matches the unpruned one (closed form, then gradient; routed experts untouched;
+        see ``docs/router-calibration.md``)
+    :param router_fit_tokens: calibration tokens per MoE layer the post-cut fits use
+        (the first ones seen; each layer holds its inputs and outputs on them in memory,
+        or on disk with ``fit_spill_dir``)
     :param router_fit_steps: optimizer steps per layer
     :param router_fit_lr: step size, relative to the root-mean-square router weight
+    :param compensation_steps: optimizer steps per layer of ``compensate``
+    :param compensation_lr: its step size, relative to each tensor's root-mean-square
+    :param validate_fit: hold out every 8th calibration batch from the post-cut fits and
+        keep each fitted component (router, bias, dense) only where it lowers the whole
+        model's KL to the unpruned model on them (default); ``false`` keeps every one
+    :param fit_spill_dir: write the post-cut fits' captured block inputs and outputs
+        there instead of holding them in memory
     :param checkpoint_dir: make a sequential calibration resumable: each layer's
         statistics and the next layer's inputs are saved there as its epoch ends, and a
         rerun with the same model, recipe, data and world size resumes after the last
@@ -147,6 +161,12 @@ class REAPPruningModifier(Modifier):
     router_fit_tokens: int = Field(default=4096, ge=2)
     router_fit_steps: int = Field(default=100, ge=0)
     router_fit_lr: float = Field(default=0.03, gt=0)
+    calibrate_bias: bool = False
+    compensate: bool = False
+    compensation_steps: int = Field(default=200, ge=0)
+    compensation_lr: float = Field(default=0.003, gt=0)
+    validate_fit: bool = True
+    fit_spill_dir: str | None = None
     checkpoint_dir: str | None = None
 
     _arch: MoEArchitecture | None = PrivateAttr(default=None)
@@ -160,6 +180,7 @@ class REAPPruningModifier(Modifier):
     _layerwise: LayerwiseCut | None = PrivateAttr(default=None)
     _source_fingerprint: str | None = PrivateAttr(default=None)
     _restore_calibrate_all: bool | None = PrivateAttr(default=None)
+    _post_cut: PostCutFit | None = PrivateAttr(default=None)
     _capture: BlockIOCapture | None = PrivateAttr(default=None)
     _deferred_plan: PruningPlan | None = PrivateAttr(default=None)
     _router_fit: dict | None = PrivateAttr(default=None)
@@ -239,12 +260,22 @@ class REAPPruningModifier(Modifier):
                 "propagate_pruned cuts layers during calibration, but with scores_in, "
                 "plan_in or a weight baseline nothing is calibrated; remove propagate_pruned"
             )
-        unused = sorted(f for f in self.model_fields_set if f.startswith("router_fit_"))
-        if unused and not self.calibrate_router:
-            raise ValueError(f"{', '.join(unused)} only apply with `calibrate_router: true`")
-        if self.calibrate_router and self.propagate_pruned:
+        fit_only = sorted(
+            f
+            for f in self.model_fields_set
+            if f.startswith("router_fit_") or f in ("validate_fit", "fit_spill_dir")
+        )
+        if fit_only and not self.fits_after_cut:
             raise ValueError(
-                "calibrate_router fits each router against the unpruned block, which "
+                f"{', '.join(fit_only)} only apply with `calibrate_router`, `calibrate_bias` "
+                "or `compensate`"
+            )
+        unused = sorted(f for f in self.model_fields_set if f.startswith("compensation_"))
+        if unused and not self.compensate:
+            raise ValueError(f"{', '.join(unused)} only apply with `compensate: true`")
+        if self.fits_after_cut and self.propagate_pruned:
+            raise ValueError(
+                f"{self._fit_fields()} fit(s) each block against the unpruned block, which "
                 "propagate_pruned never sees after the first layer; use one of the two"
             )
         if self.checkpoint_dir is not None:
@@ -253,14 +284,31 @@ class REAPPruningModifier(Modifier):
                 if not self.calibrates
                 else "propagate_pruned cuts layers during calibration"
                 if self.propagate_pruned
-                else "calibrate_router holds every layer's inputs in memory"
-                if self.calibrate_router
+                else f"{self._fit_fields()} hold(s) every layer's inputs until the end"
+                if self.fits_after_cut
                 else None
             )
             if clash:
                 raise ValueError(f"checkpoint_dir cannot resume this run: {clash}; remove one")
-        self.requires_calibration_data = self.calibrates or self.calibrate_router
+        self.requires_calibration_data = self.calibrates or self.fits_after_cut
         return self
+
+    @property
+    def fits_after_cut(self) -> bool:
+        """Whether a post-cut fit runs (router, bias or dense compensation)."""
+        return self.calibrate_router or self.calibrate_bias or self.compensate
+
+    def _fit_fields(self) -> str:
+        on = [
+            f
+            for f, v in (
+                ("calibrate_router", self.calibrate_router),
+                ("calibrate_bias", self.calibrate_bias),
+                ("compensate", self.compensate),
+            )
+            if v
+        ]
+        return " / ".join(on)
 
     @property
     def calibrates(self) -> bool:
@@ -278,13 +326,11 @@ class REAPPruningModifier(Modifier):
         self._arch = find_moe_architecture(state.model, self.ignore)
         check_prunable(state.model, self._arch)  # routings pruning cannot keep exact
         arch = self._arch
-        if self.calibrate_router:
-            self._check_router_fit(state)
+        if self.fits_after_cut:
+            self._check_post_cut(state)
         self._cpu_group = distributed.make_cpu_group()
-        if self.calibrate_router:
-            self._capture = BlockIOCapture(
-                arch, self.register_hook, self.router_fit_tokens, model=state.model
-            )
+        if self.fits_after_cut:
+            self._capture = self._post_cut.make_capture(self.register_hook, state.model)
         if self.plan_in is not None:
             plan = PruningPlan.load(self.plan_in)
             try:
@@ -382,7 +428,7 @@ class REAPPruningModifier(Modifier):
             logger.info(f"REAP: decompressing the whole model before calibration ({why})")
             decompress_loaded_model(model)
             return
-        if not (self.calibrates or self.calibrate_router):
+        if not (self.calibrates or self.fits_after_cut):
             logger.info("REAP: pruning without calibration: compressed experts stay packed")
             return
         self._packed = PackedCompute(model, self.dequantize)
@@ -725,111 +771,50 @@ class REAPPruningModifier(Modifier):
 
     # -- router calibration ------------------------------------------------------------
 
-    def _check_router_fit(self, state: State) -> None:
-        """``calibrate_router``: refuse what the fit cannot do, before any model work."""
-        problems = [p for layer in self._arch.layers if (p := router_fit_problem(layer))]
-        if problems:
-            raise RouterFitError(
-                "calibrate_router cannot fit these routers: "
-                + "; ".join(problems[:3])
-                + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
-                + "; remove calibrate_router"
+    def _check_post_cut(self, state: State) -> None:
+        """Refuse what the post-cut fits cannot do, before any model work."""
+        components = [
+            c
+            for c, on in zip(
+                COMPONENTS, (self.calibrate_router, self.calibrate_bias, self.compensate)
             )
-        if getattr(state.data, "calib", None) is None:
-            raise ValueError(
-                "calibrate_router fits the routers on calibration data, but oneshot got "
-                "none: pass a dataset (num_calibration_samples > 0) or remove calibrate_router"
-            )
-        if distributed.world_size() > 1:
-            raise ValueError(
-                "calibrate_router does not run under data parallel yet (each rank would "
-                "fit different routers); run it in one process"
-            )
-        from compressed_tensors.utils import match_named_modules
-        from llmcompressor.core import active_session
-
-        recipe = active_session().lifecycle.recipe
-        routers = {f"{layer.name}.{layer.router_attr}" for layer in self._arch.layers}
-        for other in recipe.modifiers if recipe is not None else []:
-            targets = getattr(other, "targets", None)
-            if isinstance(other, REAPPruningModifier) or not targets:
-                continue
-            targets = [targets] if isinstance(targets, str) else list(targets)
-            ignore = list(getattr(other, "ignore", None) or [])
-            hit = sorted(
-                name
-                for name, _ in match_named_modules(state.model, targets, ignore)
-                if name in routers
-            )
-            if hit:
-                raise ValueError(
-                    f"calibrate_router fits the routers, but {type(other).__name__} in the "
-                    f"recipe also changes them (targets {targets} match {hit[0]}"
-                    + (f" and {len(hit) - 1} more" if len(hit) > 1 else "")
-                    + "); add the routers to its `ignore` (e.g. 're:.*gate$') or remove "
-                    "calibrate_router"
-                )
+            if on
+        ]
+        check_post_cut_request(state, self._arch, components, self._fit_fields(), type(self))
+        self._post_cut = PostCutFit(
+            self._arch,
+            FitSettings(
+                components=components,
+                tokens=self.router_fit_tokens,
+                router_steps=self.router_fit_steps,
+                router_lr=self.router_fit_lr,
+                dense_steps=self.compensation_steps,
+                dense_lr=self.compensation_lr,
+                validate=self.validate_fit,
+                spill_dir=self.fit_spill_dir,
+            ),
+        )
 
     def _fit_routers(self, model: torch.nn.Module) -> None:
-        """``calibrate_router``: apply the cut (deferred until every MoE block's unpruned
-        inputs and outputs were captured), then fit each layer's router rows to them."""
-        capture = self._capture
-        if capture is None or self._deferred_plan is None:
+        """The post-cut step: apply the cut (deferred until every MoE block's unpruned
+        inputs and outputs were captured), then fit and validate each component
+        (:mod:`.post_cut`)."""
+        post_cut = self._post_cut
+        if self._capture is None or self._deferred_plan is None or post_cut is None:
             return
-        from compressed_tensors import align_module_device
-        from compressed_tensors.offload import update_offload_parameter
-        from tqdm.auto import tqdm
-
         self._capture = None  # the cut is no longer deferred
-        capture.detach()
         plan, self._deferred_plan = self._deferred_plan, None
-        empty = [name for name in self._arch.layer_names if capture.tokens(name) < 2]
-        if empty:
-            raise RuntimeError(
-                f"calibrate_router captured no calibration tokens for {empty[0]}: no "
-                "calibration data reached the MoE layers (num_calibration_samples > 0)"
-            )
-        self._apply(model, plan)
-        records, tensors = {}, {}
-        overlay = None  # packed (compressed-tensors) experts: dequantized a layer at a time
-        if compressed_modules(model):
-            overlay = PackedCompute(model, "expert" if self.dequantize == "expert" else "layer")
-            overlay.attach()
-        try:
-            for layer in tqdm(self._arch.layers, desc="REAP router fit"):
-                inputs, targets = capture.take(layer.name)
-                with align_module_device(layer.block):
-                    device = layer.router.weight.device
-                    fitted, result = fit_router(
-                        layer,
-                        inputs.to(device),
-                        targets.to(device),
-                        steps=self.router_fit_steps,
-                        lr=self.router_fit_lr,
-                    )
-                for name, tensor in fitted.items():
-                    update_offload_parameter(layer.router, name, tensor)
-                records[layer.name] = result.to_dict()
-                tensors[layer.name] = {
-                    f"{layer.router_attr}.{name}": tensor.detach().to("cpu")
-                    for name, tensor in fitted.items()
-                }
-                logger.info(
-                    f"REAP router fit {layer.name}: relative error {result.loss_before:.4g} -> "
-                    f"{result.loss_after:.4g} (held out {result.holdout_before:.4g} -> "
-                    f"{result.holdout_after:.4g}, best step {result.best_step})"
-                )
-        finally:
-            if overlay is not None:
-                overlay.detach()
-        self._router_fit = {
-            "method": FIT_METHOD,
-            "tokens": self.router_fit_tokens,
-            "steps": self.router_fit_steps,
-            "lr": self.router_fit_lr,
-            "layers": records,
-        }
-        self._fitted_tensors = tensors
+
+        def overlay():
+            if not compressed_modules(model):
+                return None
+            packed = PackedCompute(model, "expert" if self.dequantize == "expert" else "layer")
+            packed.attach()
+            return packed
+
+        post_cut.run(model, lambda: self._apply(model, plan), overlay)
+        self._router_fit = post_cut.record
+        self._fitted_tensors = post_cut.tensors
         if distributed.is_source_process():
             self._write_outputs(plan)  # the manifest records the fit
 

@@ -62,9 +62,13 @@ __all__ = [
     "RouterFitResult",
     "block_output",
     "differentiable_dispatch",
+    "fit_block",
     "fit_router",
+    "holdout_rows",
     "relative_error",
+    "router_params",
     "router_fit_problem",
+    "trainable",
 ]
 
 FIT_METHOD = "adam-layer-local"
@@ -217,41 +221,81 @@ def relative_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return diff.pow(2).sum() / target.float().pow(2).sum().clamp_min(1e-30)
 
 
+def _leaf(block: nn.Module, path: str) -> tuple[nn.Module, str, nn.Module]:
+    """``(parent, attribute, module)`` of the block's submodule at dotted ``path``."""
+    parent_path, _, attr = path.rpartition(".")
+    parent = block.get_submodule(parent_path) if parent_path else block
+    return parent, attr, getattr(parent, attr)
+
+
+def _proxy(module: nn.Module, masters: dict[str, nn.Parameter]) -> nn.Module:
+    """A shallow copy of ``module`` whose ``masters`` parameters replace its own (the
+    others and its buffers are the module's current tensors)."""
+    proxy = copy.copy(module)
+    proxy._parameters = {n: masters.get(n, getattr(module, n)) for n in list(module._parameters)}
+    proxy._buffers = {n: getattr(module, n) for n in list(module._buffers)}
+    # methods bound to the module on the instance (compressed-tensors' offload wraps
+    # `forward` so) are bound to the copy instead
+    for key, value in list(vars(module).items()):
+        if getattr(value, "__self__", None) is module and hasattr(value, "__func__"):
+            setattr(proxy, key, value.__func__.__get__(proxy))
+    return proxy
+
+
 @contextmanager
-def _trainable(
-    layer: MoELayer, names: list[str]
+def trainable(
+    layer: MoELayer, params: dict[str, list[str]]
 ) -> Iterator[tuple[dict[str, nn.Parameter], Callable[[], None]]]:
-    """For the duration of the fit, the block routes through a shallow copy of its router
-    whose ``names`` are float32 master parameters (the others: the router's current
-    tensors). The router itself is never touched, so offloaded parameters
+    """For the duration of a fit, the block computes through shallow copies of its
+    submodules ``params`` names (``{module path in the block: [parameter names]}``,
+    e.g. ``{"gate": ["weight"]}``), whose listed parameters are float32 master
+    parameters. The modules themselves are never touched, so offloaded parameters
     (compressed-tensors' offload caches replace ``_parameters``) stay as they are.
 
-    Yields the masters and ``sync``, which hands the copy the masters cast to the router's
-    own dtype (differentiably: a bf16 model's router computes in bf16 as it will after
-    the save, while Adam updates float32 masters); call it before every forward."""
-    router = layer.router
-    masters = {n: nn.Parameter(getattr(router, n).detach().float().clone()) for n in names}
-    dtypes = {n: getattr(router, n).dtype for n in names}
-    proxy = copy.copy(router)
-    proxy._parameters = {
-        n: masters.get(n, getattr(router, n)) for n in list(router._parameters.keys())
-    }
+    Yields the masters by ``"path.name"`` and ``sync``, which hands the copies the
+    masters cast to each tensor's own dtype (differentiably: a bf16 model computes in
+    bf16 as it will after the save, while Adam updates float32 masters); call it before
+    every forward."""
+    block = layer.block
+    masters: dict[str, nn.Parameter] = {}
+    swaps = []
+    for path, names in params.items():
+        parent, attr, module = _leaf(block, path)
+        own = {n: nn.Parameter(getattr(module, n).detach().float().clone()) for n in names}
+        dtypes = {n: getattr(module, n).dtype for n in names}
+        proxy = _proxy(module, own)
+        swaps.append((parent, attr, module, proxy, own, dtypes))
+        masters.update({f"{path}.{n}": p for n, p in own.items()})
 
     def sync() -> None:
-        for n, master in masters.items():
-            proxy._parameters[n] = master if dtypes[n] == master.dtype else master.to(dtypes[n])
+        for _, _, _, proxy, own, dtypes in swaps:
+            for n, master in own.items():
+                proxy._parameters[n] = master if dtypes[n] == master.dtype else master.to(dtypes[n])
 
-    proxy._buffers = {n: getattr(router, n) for n in list(router._buffers.keys())}
-    # methods bound to the router on the instance (compressed-tensors' offload wraps
-    # `forward` so) are bound to the copy instead
-    for key, value in list(vars(router).items()):
-        if getattr(value, "__self__", None) is router and hasattr(value, "__func__"):
-            setattr(proxy, key, value.__func__.__get__(proxy))
-    layer.block._modules[layer.router_attr] = proxy
+    for parent, attr, _, proxy, _, _ in swaps:
+        parent._modules[attr] = proxy
     try:
         yield masters, sync
     finally:
-        layer.block._modules[layer.router_attr] = router
+        for parent, attr, module, _, _, _ in reversed(swaps):
+            parent._modules[attr] = module
+
+
+def holdout_rows(tokens: int) -> torch.Tensor:
+    """Which of ``tokens`` fitting rows are held out for early stopping (every
+    :data:`HOLDOUT_EVERY`-th; the last when there are fewer)."""
+    held = torch.zeros(tokens, dtype=torch.bool)
+    held[HOLDOUT_EVERY - 1 :: HOLDOUT_EVERY] = True
+    if not held.any():
+        held[-1] = True
+    return held
+
+
+def router_params(layer: MoELayer) -> dict[str, list[str]]:
+    """The router tensors the fit changes (:data:`FITTED_PARAMS` the router has)."""
+    router = layer.router
+    names = [n for n in FITTED_PARAMS if isinstance(getattr(router, n, None), torch.Tensor)]
+    return {layer.router_attr: names}
 
 
 def fit_router(
@@ -276,18 +320,37 @@ def fit_router(
     problem = router_fit_problem(layer)
     if problem is not None:
         raise RouterFitError(problem)
+    fitted, result = fit_block(layer, inputs, targets, router_params(layer), steps=steps, lr=lr)
+    prefix = f"{layer.router_attr}."
+    return {k.removeprefix(prefix): v for k, v in fitted.items()}, result
+
+
+def fit_block(
+    layer: MoELayer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    params: dict[str, list[str]],
+    *,
+    steps: int = 100,
+    lr: float = 1e-2,
+) -> tuple[dict[str, torch.Tensor], RouterFitResult]:
+    """Fit the block tensors ``params`` (``{module path in the block: [parameter
+    names]}``) of an already pruned ``layer`` to the unpruned block's outputs: the
+    method of this module (full-batch Adam through the model's own routing, the routed
+    experts frozen, held-out early stopping). Each tensor's step size is ``lr`` times its
+    own root-mean-square.
+
+    :returns: the fitted tensors by ``"path.name"`` (in each tensor's dtype; the
+        current tensors when no step lowered the held-out loss) and the fit's record;
+        the layer itself is left unchanged
+    :raises RouterFitError: the shapes disagree
+    """
     if inputs.dim() != 2 or inputs.shape != targets.shape or inputs.shape[0] < 2:
         raise RouterFitError(
             f"{layer.name}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} "
             "must both be [tokens >= 2, hidden]"
         )
-    router = layer.router
-    names = [n for n in FITTED_PARAMS if isinstance(getattr(router, n, None), torch.Tensor)]
-    dtypes = {n: getattr(router, n).dtype for n in names}
-    held = torch.zeros(inputs.shape[0], dtype=torch.bool)
-    held[HOLDOUT_EVERY - 1 :: HOLDOUT_EVERY] = True
-    if not held.any():
-        held[-1] = True
+    held = holdout_rows(inputs.shape[0])
     x_fit, y_fit = inputs[~held], targets[~held]
     x_held, y_held = inputs[held], targets[held]
     fit_cache, held_cache = _ExpertCache(), _ExpertCache()
@@ -297,9 +360,18 @@ def fit_router(
         with differentiable_dispatch(layer, cache):
             return relative_error(_output(layer.block(x.unsqueeze(0))).reshape(y.shape), y)
 
-    with _trainable(layer, names) as (masters, sync):
-        scale = masters["weight"].detach().pow(2).mean().sqrt().clamp_min(1e-8).item()
-        optimizer = torch.optim.Adam(list(masters.values()), lr=lr * scale)
+    dtypes = {n: p.dtype for n, p in _current(layer, params).items()}
+    with trainable(layer, params) as (masters, sync):
+        # each module's tensors step relative to the size of its weight (a linear
+        # router's bias starts at zero)
+        scale = {
+            n: masters.get(f"{n.rpartition('.')[0]}.weight", p).detach().pow(2).mean().sqrt()
+            for n, p in masters.items()
+        }
+        groups = [
+            {"params": [p], "lr": lr * scale[n].clamp_min(1e-8).item()} for n, p in masters.items()
+        ]
+        optimizer = torch.optim.Adam(groups)
         best = {n: p.detach().clone() for n, p in masters.items()}
         with torch.no_grad():
             held_before = loss_on(x_held, y_held, held_cache).item()
@@ -317,9 +389,9 @@ def fit_router(
                 if held_now < best_held:
                     best_held, best_step = held_now, step
                     best = {n: p.detach().clone() for n, p in masters.items()}
-        fitted = {n: best[n].to(dtypes[n]) for n in names}
+        fitted = {n: best[n].to(dtypes[n]) for n in masters}
         with torch.no_grad():
-            for n in names:
+            for n in masters:
                 masters[n].copy_(fitted[n].float())
             fit_after = loss_on(x_fit, y_fit, _ExpertCache()).item()
             held_after = loss_on(x_held, y_held, _ExpertCache()).item()
@@ -333,6 +405,13 @@ def fit_router(
         loss_after=float(fit_after),
         holdout_before=float(held_before),
         holdout_after=float(held_after),
-        fitted=[f"{layer.router_attr}.{n}" for n in names] if best_step else [],
+        fitted=list(masters) if best_step else [],
     )
     return fitted, result
+
+
+def _current(layer: MoELayer, params: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    block = layer.block
+    return {
+        f"{p}.{n}": getattr(block.get_submodule(p), n) for p, names in params.items() for n in names
+    }

@@ -92,7 +92,7 @@ def route_save_through_rewriter(
                 **({"router_fit": router_fit[0]} if router_fit else {}),
             },
             replace_tensors=router_fit[1] if router_fit else None,
-            replace_reason="router fitted (see router_fit)",
+            replace_reason=_fit_reason(router_fit[0]) if router_fit else "",
         ).run()
 
     save_pretrained._reap_rewriter = True
@@ -102,3 +102,9 @@ def route_save_through_rewriter(
         "will rewrite it from the source bytes"
     )
     return True
+
+
+def _fit_reason(record: dict) -> str:
+    """Why fitted tensors differ from the source: the kept post-cut components."""
+    kept = [c["name"] for c in record.get("components", []) if c.get("kept")] or ["router"]
+    return f"{' + '.join(kept)} fitted after the cut (see router_fit)"

@@ -1,0 +1,417 @@
+"""The post-cut step: after REAP's cut, fit what the cut left behind, and keep a fitted
+component only where it makes the model better end to end.
+
+Components, in order (each fitted layer by layer on the MoE blocks' captured unpruned
+inputs and outputs, :mod:`reap_modifier.calibration.block_io`, on the model as the
+components before it left it):
+
+``router``  the kept router rows (:mod:`reap_modifier.router_fit`);
+``bias``    the score-correction bias, which moves the selection only
+            (:mod:`reap_modifier.bias_fit`);
+``dense``   the block's dense tensors: shared expert(s), a latent MoE's up-projection,
+            with the router rows (:mod:`reap_modifier.compensation`).
+
+Routed expert tensors are never touched. **Never worse than the cut alone:** every k-th
+calibration batch (k = :data:`HOLDOUT_EVERY_BATCH`) is held out from every fit; the
+unpruned model's next-token distributions on those batches are computed before the cut,
+and after each component the whole model's ``KL(unpruned || pruned)`` on them is measured.
+A component is kept only when it lowers that KL; otherwise its tensors are put back and
+the record says so. The record (manifest ``router_fit``, ``reap verify --source``, the
+log) lists each component, the KL before and after, whether it was kept and the tensors
+it changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from loguru import logger
+
+from .calibration.block_io import BlockIOCapture
+from .compensation import compensate, compensation_problem, dense_params
+from .models import MoEArchitecture, MoELayer
+from .router_fit import (
+    FIT_METHOD,
+    RouterFitError,
+    fit_router,
+    router_fit_problem,
+    router_params,
+)
+
+__all__ = [
+    "COMPONENTS",
+    "HOLDOUT_EVERY_BATCH",
+    "FitSettings",
+    "PostCutFit",
+    "ValidationSet",
+    "check_post_cut_request",
+    "component_problems",
+]
+
+#: the post-cut components, in the order they are fitted
+COMPONENTS = ("router", "bias", "dense")
+#: every k-th calibration batch is held out to validate the fits
+HOLDOUT_EVERY_BATCH = 8
+
+
+@dataclass
+class FitSettings:
+    """What the recipe asked of the post-cut step."""
+
+    components: list[str]
+    tokens: int
+    router_steps: int
+    router_lr: float
+    dense_steps: int
+    dense_lr: float
+    validate: bool = True
+    spill_dir: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _bias_params(layer: MoELayer) -> dict[str, list[str]]:
+    from .bias_fit import BIAS_ATTR
+
+    return {layer.router_attr: [BIAS_ATTR]}
+
+
+def _params_of(component: str, layer: MoELayer) -> dict[str, list[str]]:
+    if component == "router":
+        return router_params(layer)
+    if component == "bias":
+        return _bias_params(layer)
+    return dense_params(layer)
+
+
+def component_problems(component: str, layers: list[MoELayer]) -> list[str]:
+    """Why ``component`` cannot be fitted on these layers (empty when it can)."""
+    if component == "router":
+        check = router_fit_problem
+    elif component == "bias":
+        from .bias_fit import bias_fit_problem as check
+    else:
+        check = compensation_problem
+    return [p for layer in layers if (p := check(layer))]
+
+
+def check_post_cut_request(
+    state, arch: MoEArchitecture, components: list[str], fields: str, modifier_type: type
+) -> None:
+    """Refuse, before any model work, a post-cut fit that cannot run: a block a
+    component cannot express, no calibration data, data parallel, or another modifier of
+    the recipe that also changes the tensors the fits change.
+
+    :param fields: the recipe fields that asked for the fit (for the messages)
+    """
+    from compressed_tensors.utils import match_named_modules
+    from llmcompressor.core import active_session
+
+    from .calibration import distributed
+
+    for component in components:
+        problems = component_problems(component, arch.layers)
+        if problems:
+            raise RouterFitError(
+                f"{fields} cannot fit these blocks ({component}): "
+                + "; ".join(problems[:3])
+                + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+                + f"; remove the field that asks for {component!r}"
+            )
+    if getattr(state.data, "calib", None) is None:
+        raise ValueError(
+            f"{fields} fit(s) on calibration data, but oneshot got none: pass a dataset "
+            f"(num_calibration_samples > 0) or remove {fields}"
+        )
+    if distributed.world_size() > 1:
+        raise ValueError(
+            f"{fields} does not run under data parallel yet (each rank would fit "
+            "different tensors); run it in one process"
+        )
+    recipe = active_session().lifecycle.recipe
+    fitted = {
+        f"{layer.name}.{path}"
+        for layer in arch.layers
+        for c in components
+        for path in (_params_of(c, layer) if c != "bias" else {layer.router_attr: []})
+    }
+    for other in recipe.modifiers if recipe is not None else []:
+        targets = getattr(other, "targets", None)
+        if isinstance(other, modifier_type) or not targets:
+            continue
+        targets = [targets] if isinstance(targets, str) else list(targets)
+        ignore = list(getattr(other, "ignore", None) or [])
+        hit = sorted(
+            name for name, _ in match_named_modules(state.model, targets, ignore) if name in fitted
+        )
+        if hit:
+            raise ValueError(
+                f"{fields} fit(s) {hit[0]}"
+                + (f" and {len(hit) - 1} more" if len(hit) > 1 else "")
+                + f", but {type(other).__name__} in the recipe also changes them (targets "
+                f"{targets}); add them to its `ignore` (e.g. 're:.*gate$') or remove {fields}"
+            )
+
+
+class ValidationSet:
+    """Held-out calibration batches and the unpruned model's log-probabilities on them."""
+
+    def __init__(self, batches: list[dict[str, torch.Tensor]]):
+        self.batches = batches
+        self._reference: list[torch.Tensor] = []
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(_valid(b).sum()) for b in self.batches)
+
+    def _log_probs(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        device = _device_of(model)
+        kwargs = {k: v.to(device) for k, v in batch.items()}
+        logits = _logits(model, kwargs)
+        return torch.log_softmax(logits.float(), dim=-1)[_valid(batch).to(logits.device)].cpu()
+
+    def record_reference(self, model: torch.nn.Module) -> None:
+        """The unpruned model's log-probabilities (call before the cut)."""
+        self._reference = [self._log_probs(model, b) for b in self.batches]
+
+    def kl(self, model: torch.nn.Module) -> float:
+        """Mean ``KL(unpruned || model)`` per held-out token, in nats."""
+        total, count = 0.0, 0
+        for batch, ref in zip(self.batches, self._reference, strict=True):
+            now = self._log_probs(model, batch)
+            total += (ref.exp() * (ref - now)).sum().item()
+            count += ref.shape[0]
+        return total / max(count, 1)
+
+
+def _logits(model: torch.nn.Module, kwargs: dict) -> torch.Tensor:
+    """The model's logits on one batch.
+
+    Workaround, upstream: llm-compressor's sequential pipeline runs the whole
+    calibration, ``CALIBRATION_END`` included, under ``disable_lm_head``, which makes the
+    LM head return meta tensors; the post-cut step validates at calibration end, so when
+    the logits come back on the meta device they are computed here from the LM head's
+    input and its own weight (onloaded if offloaded)."""
+    from compressed_tensors import align_module_device
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    seen: list[torch.Tensor] = []
+    handle = (
+        head.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+        if isinstance(head, torch.nn.Linear)
+        else None
+    )
+    try:
+        with torch.no_grad():
+            logits = model(**kwargs, use_cache=False).logits
+            if logits.is_meta and seen:
+                with align_module_device(head):
+                    logits = torch.nn.functional.linear(seen[-1], head.weight, head.bias)
+    finally:
+        if handle is not None:
+            handle.remove()
+    if logits.is_meta:
+        raise RuntimeError("the post-cut validation got no logits from the model (meta LM head)")
+    return logits
+
+
+def _valid(batch: dict) -> torch.Tensor:
+    mask = batch.get("attention_mask")
+    ids = batch["input_ids"]
+    return mask.bool() if isinstance(mask, torch.Tensor) else torch.ones_like(ids, dtype=torch.bool)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    from llmcompressor.utils.dev import get_main_device
+
+    try:
+        return get_main_device()
+    except Exception:  # pragma: no cover - no accelerator helper
+        return next(model.parameters()).device
+
+
+class PostCutFit:
+    """Drives the post-cut components for one modifier (see the module docstring).
+
+    :param arch: the located MoE architecture (unpruned)
+    :param settings: the recipe's choices
+    """
+
+    def __init__(self, arch: MoEArchitecture, settings: FitSettings):
+        self.arch = arch
+        self.settings = settings
+        self.capture: BlockIOCapture | None = None
+        self.record: dict | None = None
+        self.tensors: dict[str, dict[str, torch.Tensor]] = {}
+
+    def make_capture(self, register_hook, model: torch.nn.Module) -> BlockIOCapture:
+        s = self.settings
+        self.capture = BlockIOCapture(
+            self.arch,
+            register_hook,
+            s.tokens,
+            model=model,
+            holdout_every=HOLDOUT_EVERY_BATCH if s.validate else None,
+            spill_dir=s.spill_dir,
+        )
+        return self.capture
+
+    def run(
+        self,
+        model: torch.nn.Module,
+        apply_cut: Callable[[], None],
+        overlay: Callable[[], object | None],
+    ) -> None:
+        """Cut (``apply_cut``), then fit and validate each component.
+
+        :param overlay: makes a packed model computable for the duration of a fit
+            (returns an attached object with ``detach``, or ``None``)
+        """
+        from tqdm.auto import tqdm
+
+        capture, s = self.capture, self.settings
+        capture.detach()
+        empty = [n for n in self.arch.layer_names if capture.tokens(n) < 2]
+        if empty:
+            raise RuntimeError(
+                f"the post-cut fit captured no calibration tokens for {empty[0]}: no "
+                "calibration data reached the MoE layers (num_calibration_samples > 0)"
+            )
+        validation = ValidationSet(capture.validation_batches()) if s.validate else None
+        if validation is not None and not validation.batches:
+            logger.warning(
+                "REAP post-cut fit: no held-out calibration batch reached the model "
+                "(too few batches, or the model takes no input_ids): the fitted components "
+                "are kept without an end-to-end check"
+            )
+            validation = None
+        with _attached(overlay()):
+            if validation is not None:
+                validation.record_reference(model)
+        apply_cut()
+        rows = {n: capture.take(n) for n in self.arch.layer_names}
+        components, layers = [], {n: {} for n in self.arch.layer_names}
+        changed: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.arch.layer_names}
+        with _attached(overlay()):
+            kl_now = validation.kl(model) if validation is not None else None
+            kl_cut = kl_now
+            for component in s.components:
+                saved = {layer.name: self._snapshot(component, layer) for layer in self.arch.layers}
+                fitted_now: dict[str, dict[str, torch.Tensor]] = {}
+                for layer in tqdm(self.arch.layers, desc=f"REAP post-cut fit: {component}"):
+                    x, y = rows[layer.name]
+                    tensors, rec = self._fit(component, layer, x, y)
+                    fitted_now[layer.name] = tensors
+                    layers[layer.name][component] = rec
+                kl_after = validation.kl(model) if validation is not None else None
+                kept = kl_after is None or kl_after < kl_now
+                names = sorted({f"{n}" for t in fitted_now.values() for n in t})
+                entry = {
+                    "name": component,
+                    "kept": kept,
+                    "kl_before": kl_now,
+                    "kl_after": kl_after,
+                    "tensors": names,
+                }
+                if kept:
+                    for name, tensors in fitted_now.items():
+                        changed[name].update(tensors)
+                    kl_now = kl_after
+                else:
+                    for layer in self.arch.layers:
+                        self._restore(layer, saved[layer.name])
+                        for n in fitted_now[layer.name]:
+                            changed[layer.name].pop(n, None)
+                components.append(entry)
+                logger.info(
+                    f"REAP post-cut fit: {component} "
+                    + (
+                        f"{'kept' if kept else 'DROPPED (no better than without it)'}: "
+                        f"held-out KL {entry['kl_before']:.5g} -> {kl_after:.5g} nats/token"
+                        if kl_after is not None
+                        else "kept without validation"
+                    )
+                    + f"; tensors per layer: {', '.join(names) or 'none'}"
+                )
+        self.tensors = {n: t for n, t in changed.items() if t}
+        self.record = {
+            "method": FIT_METHOD,
+            "tokens": s.tokens,
+            "steps": s.router_steps,
+            "lr": s.router_lr,
+            "dense_steps": s.dense_steps if "dense" in s.components else None,
+            "dense_lr": s.dense_lr if "dense" in s.components else None,
+            "validation": None
+            if validation is None
+            else {
+                "holdout_every_batch": HOLDOUT_EVERY_BATCH,
+                "batches": len(validation.batches),
+                "tokens": validation.tokens,
+                "kl_cut": kl_cut,
+                "kl_final": kl_now,
+            },
+            "components": components,
+            "layers": {n: rec.get("router", {}) for n, rec in layers.items()},
+            "component_layers": layers,
+        }
+
+    # -- per component ----------------------------------------------------------------
+
+    def _fit(self, component: str, layer: MoELayer, x: torch.Tensor, y: torch.Tensor):
+        from compressed_tensors import align_module_device
+        from compressed_tensors.offload import update_offload_parameter
+
+        s = self.settings
+        with align_module_device(layer.block):
+            device = layer.router.weight.device
+            x, y = x.to(device), y.to(device)
+            if component == "router":
+                fitted, result = fit_router(layer, x, y, steps=s.router_steps, lr=s.router_lr)
+                tensors = {f"{layer.router_attr}.{k}": v for k, v in fitted.items()}
+                rec = result.to_dict()
+            elif component == "bias":
+                from .bias_fit import BIAS_ATTR, fit_bias
+
+                bias, result = fit_bias(layer, x, y)
+                tensors = {} if bias is None else {f"{layer.router_attr}.{BIAS_ATTR}": bias}
+                rec = result.to_dict()
+            else:
+                tensors, rec = compensate(layer, x, y, steps=s.dense_steps, lr=s.dense_lr)
+        for name, tensor in tensors.items():
+            path, _, attr = name.rpartition(".")
+            update_offload_parameter(layer.block.get_submodule(path), attr, tensor)
+        logger.debug(f"REAP post-cut fit {component} {layer.name}: {rec}")
+        return {k: v.detach().to("cpu") for k, v in tensors.items()}, rec
+
+    def _snapshot(self, component: str, layer: MoELayer) -> dict[str, torch.Tensor]:
+        from compressed_tensors import align_module_device
+
+        out = {}
+        for path, names in _params_of(component, layer).items():
+            module = layer.block.get_submodule(path)
+            with align_module_device(module):
+                for n in names:
+                    out[f"{path}.{n}"] = getattr(module, n).detach().to("cpu", copy=True)
+        return out
+
+    def _restore(self, layer: MoELayer, saved: dict[str, torch.Tensor]) -> None:
+        from compressed_tensors.offload import update_offload_parameter
+
+        for name, tensor in saved.items():
+            path, _, attr = name.rpartition(".")
+            update_offload_parameter(layer.block.get_submodule(path), attr, tensor)
+
+
+class _attached:
+    """Context for an already attached overlay (or ``None``): detached on exit."""
+
+    def __init__(self, overlay):
+        self.overlay = overlay
+
+    def __enter__(self):
+        return self.overlay
+
+    def __exit__(self, *exc):
+        if self.overlay is not None:
+            self.overlay.detach()
