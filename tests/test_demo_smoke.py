@@ -239,13 +239,21 @@ _ALL = (
     "random",
     "reap_en_fit",
     "reap_en_zh_code_fit",
+    "reap_en_zh_code_comp",
 )
 METHODS = (
     *_ALL,  # 50%
     *(f"{m}_25" for m in ("reap_en", "reap_en_zh", "reap_en_zh_code", "random")),
     *(f"{m}_75" for m in _ALL),
 )
-FITS = ("reap_en_fit", "reap_en_zh_code_fit", "reap_en_fit_75", "reap_en_zh_code_fit_75")
+FITS = (
+    "reap_en_fit",
+    "reap_en_zh_code_fit",
+    "reap_en_zh_code_comp",
+    "reap_en_fit_75",
+    "reap_en_zh_code_fit_75",
+    "reap_en_zh_code_comp_75",
+)
 
 
 def _keep(name: str, E: int) -> int:
@@ -267,22 +275,28 @@ def test_runs_with_progress(demo_run):
 
 
 def test_router_fit_rows(demo_run):
-    """Each router-fit checkpoint has REAP's cut at its sparsity, only its routers differ from the
-    source, and the report's router-fit table holds the results' numbers."""
+    """Each post-cut-fit checkpoint has REAP's cut at its sparsity, only the tensors its kept
+    components fitted differ from the source (never an expert), and the report's table holds
+    the results' numbers."""
     out, res = demo_run["out"], demo_run["results"]
     pr, q = res["pruning"], res["eval"]["quality"]
     report = (out / "report.md").read_text()
     assert "## Router calibration after the cut" in report
     for name in FITS:
-        alone = name.replace("_fit", "")
+        alone = name.replace("_fit", "").replace("_comp", "")
         assert pr[name]["kept"] == pr[alone]["kept"], name
         fit = pr[name]["router_fit"]
         assert fit and fit["tokens"] > 0 and set(fit["layers"]) == set(pr[name]["kept"])
         differs = pr[name]["verify"]["differs_from_source"]
-        moved = [layer for layer, v in fit["layers"].items() if v["best_step"] > 0]
-        assert moved, f"{name}: no router moved"  # a layer whose best step is 0 keeps its bytes
-        assert sorted(differs) == sorted(f"{layer}.gate.weight" for layer in moved)
-        assert all("router fitted" in why for why in differs.values())
+        kept = [c for c in fit["components"] if c["kept"]]
+        assert [c["name"] for c in fit["components"]] == (
+            ["router", "dense"] if "_comp" in name else ["router"]
+        )
+        assert bool(differs) == bool(kept), name
+        for tensor in differs:
+            layer = next(x for x in pr[name]["kept"] if tensor.startswith(x + "."))
+            assert tensor.removeprefix(layer + ".") in {t for c in kept for t in c["tensors"]}
+        assert all("fitted after the cut" in why for why in differs.values())
         assert pr[alone]["router_fit"] is None and not pr[alone]["verify"]["differs_from_source"]
         row = next(p for p in res["paired"] if (p["a"], p["b"]) == (alone, name))
         for lang in LANGS:

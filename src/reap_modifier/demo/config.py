@@ -14,8 +14,9 @@ checkpoint, the paired-difference tables (:func:`.results.paired_rows`) pair eac
 - ``role="baseline"``: ranks without REAP saliency (``kind="weights"``: from the router weights by
   ``saliency``; ``kind="calibrated"``: another statistic of ``ranking``'s scores). Paired against
   :data:`HEADLINE_METHOD`, and the report lists where that method loses to it.
-- ``role="fit"``: the cut of the mix ``fit_of``, then every kept router fitted on the mix's
-  calibration parts (:data:`FIT_PARTS`, keyed by ``calibration``); paired against that cut (NLL and KL).
+- ``role="fit"``: the cut of the mix ``fit_of``, then the post-cut components ``fit`` (router rows,
+  score-correction bias, dense compensation) fitted on the mix's calibration parts
+  (:data:`FIT_PARTS`, keyed by ``calibration``); paired against that cut (NLL and KL).
 
 E.g. REAP on the Chinese part alone would need a ranking of that part in :data:`RANKINGS` and a row
 ``Method("reap_zh", "REAP(zh)", "calibrated", "reap", "ZH", "zh", role="mix")``."""
@@ -56,6 +57,10 @@ class Method:
     sparsity: float | None = None  # None: the job's sparsity (50%)
     role: str = "baseline"  # "mix", "baseline" or "fit"
     fit_of: str | None = None  # fit: the cut whose routers it fits (``calibrate_router``)
+    #: fit: the post-cut components (``router``: ``calibrate_router``, ``bias``:
+    #: ``calibrate_bias``, ``dense``: ``compensate``), each kept only where it lowers the KL on
+    #: held-out calibration batches
+    fit: tuple[str, ...] = ("router",)
     #: extra sparsities this method is not pruned at (at the job's sparsity every method is)
     skip_sparsities: tuple[float, ...] = ()
 
@@ -92,6 +97,11 @@ METHODS: tuple[Method, ...] = (
         "reap_en_zh_code_fit", "REAP(en+zh+code) + router fit", "calibrated", "reap", "D",
         "en+zh+code", role="fit", fit_of="reap_en_zh_code", skip_sparsities=_NOT_AT_25,
     ),
+    Method(
+        "reap_en_zh_code_comp", "REAP(en+zh+code) + compensation", "calibrated", "reap", "D",
+        "en+zh+code", role="fit", fit_of="reap_en_zh_code", fit=("router", "dense"),
+        skip_sparsities=_NOT_AT_25,
+    ),
 )  # fmt: skip
 #: the method every other is compared against (paired differences, overlap, the report's losses)
 HEADLINE_METHOD = "reap_en_zh_code"
@@ -126,6 +136,8 @@ class DemoConfig:
     router_fit_tokens: int = 12288  # per fit, split evenly over the mix's calibration parts
     router_fit_steps: int = 100
     router_fit_lr: float = 0.03
+    compensation_steps: int = 200
+    compensation_lr: float = 0.003
     prompt_tokens: int = 16
     gen_tokens: int = 48
     seed: int = 0
@@ -174,6 +186,7 @@ QUICK = dict(
     gen_tokens=6,
     router_fit_tokens=192,
     router_fit_steps=3,
+    compensation_steps=3,
 )
 
 

@@ -48,10 +48,17 @@ def fit_router_checkpoint(
         sparsity=m.sparsity,
         scores_in=str(scores_path),
         seed=cfg.seed,
-        calibrate_router=True,
+        calibrate_router="router" in m.fit,
+        calibrate_bias="bias" in m.fit,
+        compensate="dense" in m.fit,
         router_fit_tokens=tokens,
         router_fit_steps=cfg.router_fit_steps,
         router_fit_lr=cfg.router_fit_lr,
+        **(
+            dict(compensation_steps=cfg.compensation_steps, compensation_lr=cfg.compensation_lr)
+            if "dense" in m.fit
+            else {}
+        ),
     )
     if dst.exists():
         import shutil
@@ -76,6 +83,8 @@ def fit_router_checkpoint(
         "method": fit.get("method"),
         "steps": cfg.router_fit_steps,
         "lr": cfg.router_fit_lr,
+        "components": fit.get("components", []),
+        "validation": fit.get("validation"),
         "layers": {
             layer: {k: v for k, v in rec.items() if isinstance(v, int | float)}
             for layer, rec in fit.get("layers", {}).items()
