@@ -247,8 +247,8 @@ class GroupedKimiDispatch:
         self._stack: tuple[str, KimiExpertStack | None] | None = None
 
     def install(self, name: str, block: nn.Module) -> None:
-        if "moe_infer" in block.__dict__:
-            raise RuntimeError(f"REAP observer: {name}.moe_infer is already replaced")
+        """Replace ``block.moe_infer`` (an earlier observer's replacement left behind by an
+        interrupted calibration included)."""
         block.moe_infer = partial(self._moe_infer, name, block)
         self._blocks[name] = block
 
