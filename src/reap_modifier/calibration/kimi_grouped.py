@@ -11,8 +11,9 @@ The per-(token, slot) outputs it produces are the ones the observer takes its no
 from, so REAP's statistics need no expert hook and no extra pass.
 
 Where grouped_mm cannot run (float64, a GPU older than sm80, a size grouped_mm does not
-align) or the experts are not plain dense ``Linear`` modules (packed MXFP4 experts,
-quantized or offloaded modules, another modifier's hooks on them), the dispatch is the
+align) or the experts are not plain dense ``Linear`` modules computing ``F.linear``
+(packed MXFP4 experts, fake-quantization, accelerate hooks, another modifier's hooks on
+them; compressed-tensors' offloading wrapper is accepted), the dispatch is the
 sorted-segment loop: one host copy of the counts per layer, then each expert's own
 forward on its segment (``moe_infer``'s own arithmetic).
 
@@ -275,7 +276,7 @@ class GroupedKimiDispatch:
         if sink is None:
             return type(block).moe_infer(block, x, topk_ids, topk_weight)
         stack = self._stack_for(name, block)
-        if stack is not None and stack.down.device != x.device:
+        if stack is not None and (stack.down.device, stack.down.dtype) != (x.device, x.dtype):
             stack = None
         slot_out = routed_slot_outputs(block, x, topk_ids, stack)
         sink(slot_out)

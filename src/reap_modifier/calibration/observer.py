@@ -63,7 +63,7 @@ __all__ = ["SaliencyObserver"]
 class _KimiBatch:
     """Per-forward scratch state of one Kimi block."""
 
-    __slots__ = ("ids", "weights", "calibrate_all", "rows", "tokens", "norms")
+    __slots__ = ("ids", "weights", "calibrate_all", "rows", "tokens", "grouped", "norms")
 
     def __init__(self, ids, weights, calibrate_all, tokens):
         self.ids = ids
@@ -73,7 +73,8 @@ class _KimiBatch:
         # routed: expert outputs in dispatch order (one norm kernel per layer);
         # calibrate-all: per-expert norms over all tokens (outputs would be E x N x D)
         self.rows: list[torch.Tensor] = []
-        # grouped dispatch: the [n, k] slot norms, set by the dispatch itself
+        # grouped dispatch: it runs this batch (set before it runs) and its [n, k] slot norms
+        self.grouped = False
         self.norms: torch.Tensor | None = None
 
 
@@ -252,7 +253,7 @@ class SaliencyObserver:
 
     def _kimi_expert(self, name: str, module, args: tuple, output: torch.Tensor):
         batch = self._pending.get(name)
-        if batch is not None and batch.norms is None:
+        if batch is not None and not batch.grouped:
             batch.rows.append(norms64(output) if batch.calibrate_all else output)
 
     def _kimi_slot_sink(self, name: str) -> Callable[[torch.Tensor], None] | None:
@@ -263,7 +264,7 @@ class SaliencyObserver:
             return None
         # set before the dispatch runs: its per-expert fallback calls the experts, whose
         # hooks must not keep their outputs
-        batch.norms = torch.empty(0)
+        batch.grouped = True
 
         def take(slot_out: torch.Tensor) -> None:
             batch.norms = norms64(slot_out)
@@ -276,7 +277,7 @@ class SaliencyObserver:
             return
         ids = batch.ids
         n, k = ids.shape
-        if batch.norms is not None:
+        if batch.grouped:
             norms = batch.norms  # grouped dispatch: [n, k], slot order
         elif batch.calibrate_all:
             # moe_train: every expert saw all n tokens, in expert order
