@@ -8,15 +8,25 @@ experts (``tests/k3_mxfp4_synth.py``: 10.5 GB packed, 39 GB as bf16), then loade
 twice onto the device: decompressed there (bf16) and packed. Over ``--tokens`` tokens of random hidden
 states (batches of ``--seq``), timed with CUDA events, median of ``--repeats``:
 
-- ``plain``: the MoE block's forward, dense bf16 experts, routed dispatch;
-- ``observer``: the same with this package's calibration hooks attached;
+- ``plain``: the MoE block's forward, dense bf16 experts, llm-compressor's routed
+  dispatch (``moe_infer``: one host sync, then one matmul chain per expert with tokens);
+- ``grouped``: the block's forward on this package's grouped dispatch
+  (:mod:`reap_modifier.calibration.kimi_grouped`: grouped_mm over stacked experts, no
+  host sync), no statistics: what a calibration forward costs on it;
+- ``observer``: REAP's observer attached, grouped dispatch (the default): the routed
+  calibration forward REAP runs, statistics included; the observer is attached before
+  the timed pass and one batch run through it (which stacks the experts: that one-time
+  cost per layer is printed on its own);
+- ``observer/loop``: the same on ``moe_infer`` (``grouped=False``, the previous path);
 - ``packed``: packed experts, dequantized one MoE layer at a time with
   compressed-tensors' decompressor (``PackedCompute("layer")``: what calibration of a
   packed checkpoint does; attached afresh for every pass, so each pass pays the
   dequantization of every expert that receives tokens), with the observer;
 - ``packed/expert``: the same, one expert projection at a time.
 
-Prints tokens/s and ratios to ``plain``, and a roofline for ``plain``: the larger of
+Prints tokens/s, ratios to ``plain`` and to ``grouped``, the observer's ratio to the plain
+forward it runs on (``observer`` / ``grouped``, ``observer/loop`` / ``plain``), and a
+roofline with each variant's fraction of it (roofline time / measured): the larger of
 the expert weight bytes the pass reads over the memory bandwidth and its FLOPs over the
 bf16 dense peak (H100 SXM / PCIe and H200 looked up by device name, or
 ``--peak-tflops`` / ``--bandwidth-gbs``); on a CPU the peak cannot be known reliably, so
@@ -205,7 +215,7 @@ def roofline_seconds(shape, tokens: int, tflops: float, gbs: float) -> dict:
     return {"flops": flops, "bytes": weight_bytes, "memory_s": memory, "compute_s": compute}
 
 
-def observer_on(model):
+def observer_on(model, grouped: bool = True):
     from reap_modifier.calibration.observer import SaliencyObserver
     from reap_modifier.models import find_moe_architecture
 
@@ -214,7 +224,7 @@ def observer_on(model):
     def register(module, fn, hook_type, **kwargs):
         handles.append(getattr(module, f"register_{hook_type}_hook")(fn, **kwargs))
 
-    observer = SaliencyObserver(find_moe_architecture(model), register)
+    observer = SaliencyObserver(find_moe_architecture(model), register, grouped=grouped)
     observer.attach()
 
     def off():
@@ -223,6 +233,31 @@ def observer_on(model):
             h.remove()
 
     return off
+
+
+def grouped_on(block):
+    """The block on the grouped dispatch with its stacked experts built once, nothing
+    recorded; returns (run over batches, the dispatch path that ran)."""
+
+    from reap_modifier.calibration.kimi_grouped import (
+        combine_slots,
+        routed_slot_outputs,
+        stack_kimi_experts,
+    )
+
+    stack = stack_kimi_experts(block.experts)
+
+    def moe_infer(x, ids, weights):
+        return combine_slots(routed_slot_outputs(block, x, ids, stack), weights)
+
+    def run(batches):
+        block.moe_infer = moe_infer
+        try:
+            run_pass(block, batches)
+        finally:
+            del block.moe_infer
+
+    return run, ("grouped_mm" if stack is not None else "per-expert loop")
 
 
 def moe_block(model):
@@ -251,11 +286,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default=None, help="where to write the checkpoint")
     parser.add_argument("--simulate-missing", default="", help="e.g. datasets (to test)")
+    parser.add_argument("--skip-packed", action="store_true", help="dense variants only")
     args = parser.parse_args()
 
     stood_in = prepare_imports([m for m in args.simulate_missing.split(",") if m])
     import torch
     from k3_mxfp4_synth import write_k3_mxfp4
+
+    from reap_modifier.calibration.kimi_grouped import stack_kimi_experts
 
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -282,12 +320,29 @@ def main() -> None:
     block = moe_block(dense)
     run_pass(block, batches[:1])  # warm-up
 
-    def observed():
-        off = observer_on(dense)
-        try:
+    class Observed:
+        """REAP's observer attached before the timed pass, with one batch through it
+        (which builds the grouped dispatch's stacked experts), detached after it: the
+        timed pass is a layer's calibration in its steady state."""
+
+        def __init__(self, grouped: bool):
+            self.grouped = grouped
+            self.off = None
+
+        def setup(self):
+            self.off = observer_on(dense, grouped=self.grouped)
+            run_pass(block, batches[:1])
+
+        def __call__(self):
             run_pass(block, batches)
-        finally:
-            off()
+
+        def teardown(self):
+            self.off()
+
+    grouped_run, grouped_path = grouped_on(block)
+    grouped_run(batches[:1])  # warm-up
+    print(f"grouped dispatch on {args.device}: {grouped_path}", flush=True)
+    stack_s = timer(lambda: stack_kimi_experts(block.experts))
 
     packed_model = load(path, packed=True, device=args.device)
     packed_block = moe_block(packed_model)
@@ -309,14 +364,25 @@ def main() -> None:
 
     variants = {
         "plain": lambda: run_pass(block, batches),
-        "observer": observed,
+        "grouped": lambda: grouped_run(batches),
+        "observer": Observed(True),
+        "observer/loop": Observed(False),
         "packed": packed("layer"),
         "packed/expert": packed("expert"),
     }
-    packed("layer")()  # warm-up of the packed path (decompressor, kernels)
+    if args.skip_packed:
+        del variants["packed"], variants["packed/expert"]
+    if not args.skip_packed:
+        packed("layer")()  # warm-up of the packed path (decompressor, kernels)
     for _ in range(args.repeats):
         for name, fn in variants.items():
-            results.setdefault(name, []).append(timer(fn))
+            if hasattr(fn, "setup"):
+                fn.setup()
+            try:
+                results.setdefault(name, []).append(timer(fn))
+            finally:
+                if hasattr(fn, "teardown"):
+                    fn.teardown()
             print(f"  {name}: {results[name][-1]:.3f} s", flush=True)
 
     tokens = n * args.seq
@@ -328,12 +394,40 @@ def main() -> None:
         f"({n} x {args.seq}), median of {args.repeats}, {gpu}; torch {torch.__version__}"
         + (f"; stood in: {', '.join(stood_in)}" if stood_in else "")
     )
-    print(f"{'variant':<16} {'seconds':>9} {'tokens/s':>11} {'x plain':>8}")
-    for name, ts in results.items():
-        s = statistics.median(ts)
-        print(f"{name:<16} {s:9.3f} {tokens / s:11.0f} {s / plain:8.2f}")
+    medians = {name: statistics.median(ts) for name, ts in results.items()}
+    bound = roofline_bound(shape, tokens, gpu, args)
+    print(
+        f"grouped dispatch: {grouped_path}; stacking the layer's experts (once per layer "
+        f"and calibration, not in the passes below): {stack_s:.3f} s"
+    )
+    print(
+        f"{'variant':<16} {'seconds':>9} {'tokens/s':>11} {'x plain':>8} {'x grouped':>10}"
+        f" {'roofline':>9}"
+    )
+    for name, s in medians.items():
+        frac = f"{bound / s:9.1%}" if bound else f"{'-':>9}"
+        print(
+            f"{name:<16} {s:9.3f} {tokens / s:11.0f} {s / plain:8.2f} "
+            f"{s / medians['grouped']:10.2f} {frac}"
+        )
+    print(
+        f"observer ratio: {medians['observer'] / medians['grouped']:.2f}x its plain forward "
+        f"(grouped dispatch); previous path {medians['observer/loop'] / plain:.2f}x "
+        "(observer/loop over plain)"
+    )
     print_roofline(shape, tokens, plain, gpu, args)
     tmp.cleanup()
+
+
+def roofline_bound(shape, tokens: int, device_name: str, args) -> float | None:
+    """The roofline time in seconds, or None where the peaks are not known."""
+    known = device_peaks(device_name) if args.device.startswith("cuda") else None
+    tflops = args.peak_tflops or (known[0] if known else None)
+    gbs = args.bandwidth_gbs or (known[1] if known else None)
+    if tflops is None or gbs is None:
+        return None
+    r = roofline_seconds(shape, tokens, tflops, gbs)
+    return max(r["memory_s"], r["compute_s"])
 
 
 def print_roofline(shape, tokens: int, plain: float, device_name: str, args) -> None:
@@ -355,7 +449,7 @@ def print_roofline(shape, tokens: int, plain: float, device_name: str, args) -> 
         f"{r['bytes'] / 1e9:.2f} GB / bandwidth = {r['memory_s'] * 1e3:.2f} ms, "
         f"{r['flops'] / 1e12:.2f} TFLOP / peak = {r['compute_s'] * 1e3:.2f} ms -> "
         f"{which}-bound {bound * 1e3:.2f} ms; plain measured {plain * 1e3:.2f} ms = "
-        f"{plain / bound:.1f}x the roofline"
+        f"{plain / bound:.1f}x the roofline ({bound / plain:.1%} of it)"
     )
 
 

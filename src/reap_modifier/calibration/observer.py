@@ -23,9 +23,13 @@ How the per-slot output norms are obtained, without computing any expert twice:
   :mod:`reap_modifier.models.input_gated`).
 - ``kimi`` blocks: forward hooks on the gate (ids, weights), on every expert (output
   norms, in the latent space for latent MoE) and on the block (assemble and
-  accumulate). Routed dispatch (``moe_infer``) feeds expert ``j`` the flat slots
-  ``argsort(ids.view(-1))`` restricted to ``j``; calibrate-all (``moe_train``) feeds
-  every expert all tokens, and the routed slots are gathered.
+  accumulate). Routed dispatch: by default the block's ``moe_infer`` is replaced while
+  the observer is attached by :mod:`~reap_modifier.calibration.kimi_grouped`'s grouped
+  dispatch (grouped_mm over stacked expert weights, no host sync), whose per-slot
+  outputs give the norms directly; with ``grouped=False`` llm-compressor's own
+  ``moe_infer`` runs and feeds expert ``j`` the flat slots ``argsort(ids.view(-1))``
+  restricted to ``j``. Calibrate-all (``moe_train``) feeds every expert all tokens,
+  and the routed slots are gathered.
 
 Both paths give identical statistics with ``moe_calibrate_all_experts`` on or off.
 
@@ -50,6 +54,7 @@ from ..models import MoEArchitecture, MoELayer
 from ..scores import ExpertScores
 from ..wholeness import sample_rows
 from .accumulator import LayerAccumulator, norms64
+from .kimi_grouped import GroupedKimiDispatch
 from .tokens import BatchTokens, BatchTokenTracker
 
 __all__ = ["SaliencyObserver"]
@@ -58,7 +63,7 @@ __all__ = ["SaliencyObserver"]
 class _KimiBatch:
     """Per-forward scratch state of one Kimi block."""
 
-    __slots__ = ("ids", "weights", "calibrate_all", "rows", "tokens")
+    __slots__ = ("ids", "weights", "calibrate_all", "rows", "tokens", "grouped", "norms")
 
     def __init__(self, ids, weights, calibrate_all, tokens):
         self.ids = ids
@@ -68,6 +73,9 @@ class _KimiBatch:
         # routed: expert outputs in dispatch order (one norm kernel per layer);
         # calibrate-all: per-expert norms over all tokens (outputs would be E x N x D)
         self.rows: list[torch.Tensor] = []
+        # grouped dispatch: it runs this batch (set before it runs) and its [n, k] slot norms
+        self.grouped = False
+        self.norms: torch.Tensor | None = None
 
 
 class SaliencyObserver:
@@ -78,6 +86,9 @@ class SaliencyObserver:
         pipeline's ``disable_hooks`` applies); signature ``(module, fn, hook_type, **kw)``
     :param model: the top module; its calls carry the attention mask that tells
         padding apart (without it, only the sequential pipeline's batches do)
+    :param grouped: Kimi blocks' routed calibration forward runs the grouped dispatch
+        (:mod:`~reap_modifier.calibration.kimi_grouped`) instead of their per-expert
+        ``moe_infer`` loop; the statistics are the same
     """
 
     def __init__(
@@ -85,8 +96,10 @@ class SaliencyObserver:
         arch: MoEArchitecture,
         register_hook: Callable[..., Any],
         model: torch.nn.Module | None = None,
+        grouped: bool = True,
     ):
         self.arch = arch
+        self._grouped = GroupedKimiDispatch(self._kimi_slot_sink) if grouped else None
         self._register = register_hook
         self._model = model
         self.accumulators = {
@@ -125,8 +138,11 @@ class SaliencyObserver:
                 self._attach_kimi(layer)
 
     def detach(self) -> None:
-        """Stop listening to the pipeline (hooks are removed by their owner)."""
+        """Stop listening to the pipeline (hooks are removed by their owner) and give
+        Kimi blocks their own ``moe_infer`` back."""
         self._batches.detach()
+        if self._grouped is not None:
+            self._grouped.remove()
 
     # -- padding ------------------------------------------------------------------------
 
@@ -171,6 +187,8 @@ class SaliencyObserver:
         for expert in layer.experts:
             self._register(expert, partial(self._kimi_expert, layer.name), "forward")
         self._register(layer.block, partial(self._kimi_block, layer.name), "forward")
+        if self._grouped is not None:
+            self._grouped.install(layer.name, layer.block)
 
     # -- experts_call path --------------------------------------------------------------
 
@@ -235,8 +253,23 @@ class SaliencyObserver:
 
     def _kimi_expert(self, name: str, module, args: tuple, output: torch.Tensor):
         batch = self._pending.get(name)
-        if batch is not None:
+        if batch is not None and not batch.grouped:
             batch.rows.append(norms64(output) if batch.calibrate_all else output)
+
+    def _kimi_slot_sink(self, name: str) -> Callable[[torch.Tensor], None] | None:
+        """Where the grouped dispatch sends a routed forward's ``[n, k, D]`` slot
+        outputs; None when no calibration batch of ``name`` is pending."""
+        batch = self._pending.get(name)
+        if batch is None or batch.calibrate_all:
+            return None
+        # set before the dispatch runs: its per-expert fallback calls the experts, whose
+        # hooks must not keep their outputs
+        batch.grouped = True
+
+        def take(slot_out: torch.Tensor) -> None:
+            batch.norms = norms64(slot_out)
+
+        return take
 
     def _kimi_block(self, name: str, module, args: tuple, output: Any):
         batch: _KimiBatch | None = self._pending.pop(name, None)
@@ -244,7 +277,9 @@ class SaliencyObserver:
             return
         ids = batch.ids
         n, k = ids.shape
-        if batch.calibrate_all:
+        if batch.grouped:
+            norms = batch.norms  # grouped dispatch: [n, k], slot order
+        elif batch.calibrate_all:
             # moe_train: every expert saw all n tokens, in expert order
             full = torch.stack(batch.rows)  # [E, n] norms
             tokens = torch.arange(n, device=full.device).unsqueeze(1).expand(n, k)
@@ -273,6 +308,8 @@ class SaliencyObserver:
     def reset_pending(self) -> None:
         self._pending.clear()
         self._block_tokens.clear()
+        if self._grouped is not None:
+            self._grouped.drop_stack()
 
     def local_counts(self) -> dict[str, int]:
         """This process's samples, tokens and padding positions (every layer sees
