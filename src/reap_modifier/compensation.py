@@ -19,7 +19,8 @@ Two steps, both on the pruned block with its current router:
    gate). ``r``, ``c_i`` and ``a_i`` are read off the block itself (its forward with the
    projections zeroed, then each one alone), and the linearity is checked, never assumed.
    Ridge least squares (float64) of ``Y - r`` on ``[c_i a_i]`` gives every projection at
-   once; the regulariser is chosen from a grid by the error on held-out fitting tokens
+   once (one eigendecomposition of the Gram matrix serves every regulariser); the
+   regulariser is chosen from a grid by the error on held-out fitting tokens
    (every 8th, as the router fit holds out), and the current weights are kept when no
    solution lowers it.
 2. **Gradient** (:func:`compensate`): starting from the closed form, every tensor of the
@@ -251,14 +252,16 @@ def closed_form(
 
     gram, cross = f_fit.T @ f_fit, f_fit.T @ t_fit
     scale = gram.diagonal().mean().clamp_min(1e-300)
+    # one eigendecomposition serves every regulariser: (G + r I)^-1 = Q (L + r)^-1 Q^T
+    values, vectors = torch.linalg.eigh(gram)
+    projected = vectors.T @ cross
+    floor = values.max().clamp_min(1e-300) * 1e-12  # rank-deficient directions stay at zero
     before = held_error(w_now)
     best, best_ridge, best_w = before, None, None
-    eye = torch.eye(gram.shape[0], dtype=gram.dtype)
     for ridge in grid:
-        try:
-            w = torch.linalg.solve(gram + ridge * scale * eye, cross).T
-        except RuntimeError:  # singular without a regulariser
-            continue
+        shifted = values + ridge * scale
+        inverse = torch.where(shifted > floor, 1.0 / shifted.clamp_min(floor), 0.0)
+        w = (vectors @ (inverse[:, None] * projected)).T
         err = held_error(w)
         if err < best:
             best, best_ridge, best_w = err, ridge, w
