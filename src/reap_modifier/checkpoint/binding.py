@@ -28,19 +28,16 @@ from ..models.config_keys import COUNT_KEYS, group_limit
 from ..models.expert_tensors import hash_routed_message
 from ..scores.plan import PlanError, PruningPlan
 from .errors import CheckpointError, NotWholeError
-from .layout import (
-    COUNT_KEY_CONTAINERS,
+from .layout import COUNT_KEY_CONTAINERS, CheckpointLayout, find_count_keys, preview
+from .moe_blocks import (
     LAYER_RE,
     MODULE_EXPERT_RE,
     PER_EXPERT_RE,
-    CheckpointLayout,
     MoEBlock,
     check_block,
-    check_packed_scales,
-    find_count_keys,
     left_behind_in,
-    preview,
 )
+from .quantization import check_packed_scales
 from .safetensors_header import TensorEntry
 
 __all__ = [
