@@ -115,9 +115,74 @@ def _run_prune(job) -> Path:
         )
 
 
+def _prune(
+    src, out, scores, plan, cut: dict, extra_layers, save_plan, force, options: dict
+) -> None:
+    """``reap prune``'s work: check the options, prepare the job, save the plan, run."""
+    keep, sparsity, divisible_by = cut["keep"], cut["sparsity"], cut["divisible_by"]
+    _check_prune_args(scores, plan, keep, sparsity, divisible_by, options["output_checksum"])
+    if extra_layers not in ("error", "like-last"):
+        fail(f"--extra-layers must be 'error' or 'like-last', got {extra_layers!r}")
+    if save_plan is not None and save_plan.is_dir():
+        fail(f"--save-plan {save_plan} is a directory; give the path of the JSON file to write")
+    job = _prepare_prune(
+        src,
+        out,
+        scores,
+        plan,
+        cut,
+        force=force,
+        extra_layers=extra_layers,
+        manifest_extra={"cli": {"argv": sys.argv[1:], "plan_file": str(plan) if plan else None}},
+        **options,
+    )
+    if save_plan is not None:
+        try:
+            job.plan.save(save_plan)
+        except OSError as exc:
+            fail(f"--save-plan {save_plan}: cannot write it ({exc.strerror})")
+    typer.echo(job.summary(), err=True)
+    typer.echo(str(_run_prune(job)))
+
+
+def _verify(dst: Path, source: Path | None, quiet: bool) -> None:
+    """``reap verify`` without vLLM: run the checks, print the verdict (exit 1 on failure)."""
+    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.verify import verify_checkpoint
+
+    try:
+        report = verify_checkpoint(dst, source=source, progress=not quiet)
+    except (OSError, CheckpointError) as exc:
+        fail(f"{dst}: verification could not read the files ({exc})", EXIT_CHECK_FAILED)
+    for w in report.warnings:
+        typer.echo(f"warning: {w}", err=True)
+    if not report.ok:
+        check_failed(
+            report.failures, f"{dst}: verification FAILED ({len(report.failures)} problem(s))"
+        )
+    info = report.info
+    typer.echo(
+        f"{dst}: OK ({info.get('moe_layers')} MoE layers x {info.get('num_experts')} experts, "
+        f"{info.get('tensors')} tensors in {info.get('shards')} shards"
+        + (
+            f", {info.get('tensors_matching_source')} tensors sha256-equal to the source"
+            if info.get("checked_against_source")
+            else ""
+        )
+        + ")"
+    )
+    for name, why in sorted((info.get("differs_from_source") or {}).items()):
+        typer.echo(f"  {name}: differs from the source: {why} (recorded in the manifest)")
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``prune`` and ``verify`` to ``app``. (Long only by the two commands' option
-    declarations; their work is in the functions above.)"""
+    """Add ``prune`` and ``verify`` to ``app``."""
+    _register_prune(app)
+    _register_verify(app)
+
+
+def _register_prune(app: typer.Typer) -> None:
+    """``reap prune``: its options; the work is :func:`_prune`."""
 
     @app.command("prune", epilog=PRUNE_EXAMPLE)
     def prune(
@@ -172,39 +237,31 @@ def register(app: typer.Typer) -> None:
         output_checksum: str | None = typer.Option(
             None,
             "--output-checksum",
-            help="checksum recorded per output shard: xxh3_128 (default, fast) or sha256",
+            help="checksum recorded per output shard: xxh3_128 or sha256 (default: xxh3_128 when the xxhash package is installed, else sha256)",
         ),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     ):
         """Prune routed experts from a checkpoint: kept experts' bytes copied verbatim."""
-        _check_prune_args(scores, plan, keep, sparsity, divisible_by, output_checksum)
-        if extra_layers not in ("error", "like-last"):
-            fail(f"--extra-layers must be 'error' or 'like-last', got {extra_layers!r}")
-        if save_plan is not None and save_plan.is_dir():
-            fail(f"--save-plan {save_plan} is a directory; give the path of the JSON file to write")
-        job = _prepare_prune(
+        _prune(
             src,
             out,
             scores,
             plan,
             dict(keep=keep, sparsity=sparsity, divisible_by=divisible_by, saliency=saliency),
-            force=force,
-            extra_layers=extra_layers,
-            progress=not quiet,
-            hash_source=not no_hash_source,
-            hash_cache=False if no_hash_cache else None,
-            output_checksum=output_checksum,
-            manifest_extra={
-                "cli": {"argv": sys.argv[1:], "plan_file": str(plan) if plan else None}
-            },
+            extra_layers,
+            save_plan,
+            force,
+            dict(
+                progress=not quiet,
+                hash_source=not no_hash_source,
+                hash_cache=False if no_hash_cache else None,
+                output_checksum=output_checksum,
+            ),
         )
-        if save_plan is not None:
-            try:
-                job.plan.save(save_plan)
-            except OSError as exc:
-                fail(f"--save-plan {save_plan}: cannot write it ({exc.strerror})")
-        typer.echo(job.summary(), err=True)
-        typer.echo(str(_run_prune(job)))
+
+
+def _register_verify(app: typer.Typer) -> None:
+    """``reap verify``: its options; the work is :func:`_verify` and :func:`_verify_with_vllm`."""
 
     @app.command("verify", epilog=VERIFY_EXAMPLE)
     def verify(
@@ -249,32 +306,7 @@ def register(app: typer.Typer) -> None:
         ),
     ):
         """Check a pruned checkpoint: counts, routers, expert indices, manifest, and (with --source) bytes."""
-        from ..checkpoint.errors import CheckpointError
-        from ..checkpoint.verify import verify_checkpoint
-
-        try:
-            report = verify_checkpoint(dst, source=source, progress=not quiet)
-        except (OSError, CheckpointError) as exc:
-            fail(f"{dst}: verification could not read the files ({exc})", EXIT_CHECK_FAILED)
-        for w in report.warnings:
-            typer.echo(f"warning: {w}", err=True)
-        if not report.ok:
-            check_failed(
-                report.failures, f"{dst}: verification FAILED ({len(report.failures)} problem(s))"
-            )
-        info = report.info
-        typer.echo(
-            f"{dst}: OK ({info.get('moe_layers')} MoE layers x {info.get('num_experts')} experts, "
-            f"{info.get('tensors')} tensors in {info.get('shards')} shards"
-            + (
-                f", {info.get('tensors_matching_source')} tensors sha256-equal to the source"
-                if info.get("checked_against_source")
-                else ""
-            )
-            + ")"
-        )
-        for name, why in sorted((info.get("differs_from_source") or {}).items()):
-            typer.echo(f"  {name}: differs from the source: {why} (recorded in the manifest)")
+        _verify(dst, source, quiet)
         if vllm:
             _verify_with_vllm(
                 dst,
