@@ -8,13 +8,12 @@ saying what to change; a failed verification exits with code 1.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 
 import typer
 
-from .common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, check_failed, fail
+from .common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, check_failed, fail, interruptible
 
 __all__ = ["register"]
 
@@ -26,28 +25,6 @@ VERIFY_EXAMPLE = (
     "Example: reap verify /models/K3-448 --source /models/K3; "
     "reap verify pruned/ --vllm --vllm-python .venv-vllm/bin/python --vllm-dtype float32"
 )
-
-
-@contextlib.contextmanager
-def _interruptible():
-    """SIGTERM (a scheduler's kill, ``timeout``) takes the same path as Ctrl-C: the
-    rewriter removes its temporary directory and the command says so.  (SIGKILL
-    cannot be caught: its leftovers are removed by the next run into the same output.)"""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _check_prune_args(scores, plan, keep, sparsity, divisible_by, output_checksum) -> None:
@@ -95,7 +72,7 @@ def _run_prune(job) -> Path:
 
     out = job.dst
     try:
-        with _interruptible():
+        with interruptible():
             return job.run()
     except DestinationError as exc:  # taken by another run meanwhile, not writable
         fail(exc)
