@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 
 from ..fileio import write_atomic, write_json_atomic
+from ..reporting import jsonable
 from ..scores import ExpertScores
 from .compare import Ranking, rate_ratio, routing_rates
-from .formatting import jsonable, pct, tokens
+from .formatting import pct, tokens
 from .plots import plot_flips, plot_routing_ratio, plot_tiers
 
 __all__ = ["compare_markdown", "tiers_markdown", "write_compare_report", "write_tiers_report"]

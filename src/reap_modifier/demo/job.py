@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..analysis.formatting import jsonable
+from ..reporting import jsonable
 from .config import (
     ABLATION,
     FIT_PARTS,
@@ -120,8 +120,7 @@ def check_packed_scores(
 ) -> dict:
     """Calibrate ``part`` again on the fully decompressed model and compare every statistic with the
     packed run's; raises when any differs by more than 1e-6 relative."""
-    from ..calibration.packed import scores_difference
-    from ..scores import ExpertScores
+    from ..scores import ExpertScores, scores_difference
 
     dense_path = packed_scores.with_name(f"{packed_scores.stem}.dense-check.safetensors")
     run = calibrate(model_dir, part, lang, dataset, tokenizer, dense_path, cfg, dequantize="model")

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from ..analysis.formatting import pct, tokens
-from ..analysis.plots import save_png
+from ..reporting import save_png
 from .config import ABLATION, LANGS, REFERENCE
 from .provenance import describe as describe_corpora
 
