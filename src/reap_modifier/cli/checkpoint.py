@@ -13,7 +13,15 @@ from pathlib import Path
 
 import typer
 
-from .common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, check_failed, fail, interruptible
+from .common import (
+    EXIT_CHECK_FAILED,
+    EXIT_INTERRUPTED,
+    VLLM_ARG_OPTION,
+    VLLM_PYTHON_OPTION,
+    check_failed,
+    fail,
+    interruptible,
+)
 
 __all__ = ["register"]
 
@@ -252,11 +260,7 @@ def _register_verify(app: typer.Typer) -> None:
             "--vllm",
             help="also check that vLLM loads the checkpoint and serves the tokens transformers computes",
         ),
-        vllm_python: Path | None = typer.Option(
-            None,
-            "--vllm-python",
-            help="Python of an environment with vLLM (default: $REAP_VLLM_PYTHON, ./.venv-vllm/bin/python)",
-        ),
+        vllm_python: Path | None = VLLM_PYTHON_OPTION,
         vllm_mode: str = typer.Option(
             "auto",
             "--vllm-mode",
@@ -265,11 +269,7 @@ def _register_verify(app: typer.Typer) -> None:
         vllm_dtype: str = typer.Option(
             "auto", "--vllm-dtype", help="compute dtype on both sides: auto, bfloat16, float32"
         ),
-        vllm_arg: list[str] | None = typer.Option(
-            None,
-            "--vllm-arg",
-            help="extra vLLM server argument, e.g. --vllm-arg=--tensor-parallel-size=8 (repeatable)",
-        ),
+        vllm_arg: list[str] | None = VLLM_ARG_OPTION,
         vllm_max_tokens: int = typer.Option(
             16, "--vllm-max-tokens", help="greedy tokens per prompt"
         ),

@@ -29,6 +29,8 @@ __all__ = [
     "EXIT_USAGE",
     "HELP_OPTIONS",
     "OUTPUT_ALIASES",
+    "VLLM_ARG_OPTION",
+    "VLLM_PYTHON_OPTION",
     "GreedyCommand",
     "check_failed",
     "check_output_dir",
@@ -54,6 +56,18 @@ err_console = Console(stderr=True)
 
 #: ``-h`` is ``--help`` for every command (the app's context settings, inherited)
 HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
+
+#: options of every command that runs vLLM (``reap verify --vllm``, ``reap eval``)
+VLLM_PYTHON_OPTION = typer.Option(
+    None,
+    "--vllm-python",
+    help="Python of an environment with vLLM (default: $REAP_VLLM_PYTHON, ./.venv-vllm/bin/python)",
+)
+VLLM_ARG_OPTION = typer.Option(
+    None,
+    "--vllm-arg",
+    help="extra vLLM server argument, e.g. --vllm-arg=--tensor-parallel-size=8 (repeatable)",
+)
 
 #: retired spellings of the output flag, still accepted (hidden from help): every command
 #: writes to ``-o`` / ``--out``

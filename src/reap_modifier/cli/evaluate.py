@@ -26,6 +26,8 @@ from ..evaluation.run import BACKENDS, DTYPES
 from .common import (
     EXIT_CHECK_FAILED,
     EXIT_INTERRUPTED,
+    VLLM_ARG_OPTION,
+    VLLM_PYTHON_OPTION,
     check_output_dir,
     console,
     fail,
@@ -115,16 +117,8 @@ def eval_(
         "--reference-cache",
         help="directory of the reference's cached output (reused when it matches)",
     ),
-    vllm_python: Path | None = typer.Option(
-        None,
-        "--vllm-python",
-        help="Python of an environment with vLLM (default: $REAP_VLLM_PYTHON, ./.venv-vllm/bin/python)",
-    ),
-    vllm_arg: list[str] | None = typer.Option(
-        None,
-        "--vllm-arg",
-        help="extra vLLM server argument, e.g. --vllm-arg=--tensor-parallel-size=8 (repeatable)",
-    ),
+    vllm_python: Path | None = VLLM_PYTHON_OPTION,
+    vllm_arg: list[str] | None = VLLM_ARG_OPTION,
     vllm_work_dir: Path | None = typer.Option(
         None, "--vllm-work-dir", help="where vLLM server logs go"
     ),
