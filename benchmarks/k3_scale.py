@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from bench_calibration_overhead import attach_ours, k3_shaped, measure
 
+from reap_modifier.models.moe_fields import text_section
+
 torch.set_num_threads(1)
 
 ASSUMED_K3 = {
@@ -81,7 +83,9 @@ def memory_per_rank(c: dict, seq: int, bytes_per_param: int = 2) -> dict[str, fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--config", help="config.json of the target checkpoint (text_config is used)"
+        "--config",
+        help="config.json of the target checkpoint (its text section is used: the nested "
+        "text config of a multimodal wrapper, else the top level)",
     )
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=512)
@@ -93,7 +97,7 @@ def main() -> None:
     label = "assumed K3-class shape"
     if args.config:
         cfg = json.loads(Path(args.config).read_text())
-        target.update({k: v for k, v in cfg.get("text_config", cfg).items() if k in target})
+        target.update({k: v for k, v in text_section(cfg).items() if k in target})
         label = args.config
 
     hidden, experts = 512, 128

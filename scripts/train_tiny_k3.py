@@ -53,6 +53,7 @@ from reap_modifier.demo.data import (  # noqa: E402
     tokenize_all,
 )
 from reap_modifier.demo.provenance import corpus_manifest  # noqa: E402
+from reap_modifier.models.moe_fields import text_section  # noqa: E402
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -741,7 +742,7 @@ def measure_and_card(
         trained_dir is not None and (trained_dir / "config.json").exists()
     ):  # same windows, bf16 experts
         before = eval_losses(load_committed(trained_dir), full)
-    tc = model.config.text_config
+    tc = text_section(model.config)
     n_params = (
         sum(v.numel() for v in load_file(str(out / "model.safetensors")).values())
         if (out / "model.safetensors").exists()

@@ -3,7 +3,8 @@
 The core registers here what it needs from upstream's machinery (a listener for the
 calibration batches, the rule for loading a recipe's model packed, fixups of a saved
 model); the patches in ``compat`` find them here. This module imports nothing of ours, so
-``compat`` depends on it and on nothing else of the package.
+``compat`` depends on it and, for one patch, on the config reader
+:mod:`reap_modifier.models.moe_fields` (itself importing nothing else of ours).
 """
 
 from __future__ import annotations

@@ -214,6 +214,45 @@ def _tokens_added(x: Ranking, y: Ranking) -> dict[str, int]:
     }
 
 
+def _rank(rankings: list[Ranking], layers, saliency, k: int, n_group):
+    """Per ranking label: its saliency ``[L, E]``, kept mask at ``k`` and criterion name
+    (``saliency`` for calibration files, a baseline file's own method)."""
+    sal: dict[str, np.ndarray] = {}
+    masks: dict[str, np.ndarray] = {}
+    crit: dict[str, str] = {}
+    for r in rankings:
+        name = (
+            r.saliency
+            or (r.scores.method if r.scores.kind != KIND_CALIBRATION else None)
+            or saliency
+            or r.scores.default_saliency
+        )
+        crit[r.label] = name
+        sal[r.label] = _stack(r.scores.saliency(name), layers)
+        masks[r.label] = kept_mask(sal[r.label], k, n_group)
+    return sal, masks, crit
+
+
+def _all_pairs(rankings, sal, masks, crit, rates, layers, k, num_experts, threshold) -> list[dict]:
+    """Every pair of rankings (earlier, later) compared, with its flips relative to the
+    first consecutive pair's (``x_first_pair``)."""
+    pairs = []
+    for i, j in combinations(range(len(rankings)), 2):
+        x, y = rankings[i], rankings[j]
+        pair = _compare_pair(x, y, sal, masks, crit, layers, k, num_experts)
+        pair["consecutive"] = j == i + 1
+        promoted = masks[y.label] & ~masks[x.label]
+        demoted = masks[x.label] & ~masks[y.label]
+        pair["support"] = _pair_support(x, promoted, demoted, rates, layers)
+        pair["routing"] = _pair_routing(rates, promoted, demoted, threshold)
+        pairs.append(pair)
+    consecutive = [p for p in pairs if p["consecutive"]]
+    floor = consecutive[0]["flips"] if consecutive else None
+    for p in pairs:
+        p["x_first_pair"] = (p["flips"] / floor) if floor else None
+    return pairs
+
+
 def compare_rankings(
     rankings: list[Ranking],
     keep: int | None = None,
@@ -247,40 +286,11 @@ def compare_rankings(
     n_group = group_limit(first.metadata.get("n_group"), first.metadata.get("topk_group"))
     num_layers, num_experts = len(layers), first.num_experts
 
-    sal: dict[str, np.ndarray] = {}
-    masks: dict[str, np.ndarray] = {}
-    crit: dict[str, str] = {}
-    for r in rankings:
-        name = (
-            r.saliency
-            or (r.scores.method if r.scores.kind != KIND_CALIBRATION else None)
-            or saliency
-            or r.scores.default_saliency
-        )
-        crit[r.label] = name
-        sal[r.label] = _stack(r.scores.saliency(name), layers)
-        masks[r.label] = kept_mask(sal[r.label], k, n_group)
-
+    sal, masks, crit = _rank(rankings, layers, saliency, k, n_group)
     rates, rate_origin = routing_rates(rankings, per_source, layers)
     sources = list(rates)
-
     ranking_info = [_ranking_info(r, sal[r.label], masks[r.label], crit[r.label]) for r in rankings]
-    pairs = []
-    for i, j in combinations(range(len(rankings)), 2):
-        x, y = rankings[i], rankings[j]
-        pair = _compare_pair(x, y, sal, masks, crit, layers, k, num_experts)
-        pair["consecutive"] = j == i + 1
-        promoted = masks[y.label] & ~masks[x.label]
-        demoted = masks[x.label] & ~masks[y.label]
-        pair["support"] = _pair_support(x, promoted, demoted, rates, layers)
-        pair["routing"] = _pair_routing(rates, promoted, demoted, threshold)
-        pairs.append(pair)
-
-    consecutive = [p for p in pairs if p["consecutive"]]
-    floor = consecutive[0]["flips"] if consecutive else None
-    for p in pairs:
-        p["x_first_pair"] = (p["flips"] / floor) if floor else None
-
+    pairs = _all_pairs(rankings, sal, masks, crit, rates, layers, k, num_experts, threshold)
     return {
         "keep": k,
         "keep_rule": {

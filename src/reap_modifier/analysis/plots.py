@@ -8,24 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..fileio import atomic_path
+from ..reporting import save_png
 from ..scores.baselines import layer_number
 
-__all__ = ["plot_flips", "plot_routing_ratio", "plot_tiers", "save_png"]
-
-
-def save_png(fig, path: str | os.PathLike) -> Path:
-    """Write ``fig`` to ``path`` (atomically, parent folders created) at the reports'
-    resolution, close it."""
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".") or "png")
-    finally:
-        plt.close(fig)
-    return path
+__all__ = ["plot_flips", "plot_routing_ratio", "plot_tiers"]
 
 
 def plot_tiers(report: dict, path: str | os.PathLike) -> Path:

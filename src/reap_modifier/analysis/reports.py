@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 
 from ..fileio import write_atomic, write_json_atomic
+from ..reporting import jsonable
 from ..scores import ExpertScores
 from .compare import Ranking, rate_ratio, routing_rates
-from .formatting import jsonable, pct, tokens
+from .formatting import pct, tokens
 from .plots import plot_flips, plot_routing_ratio, plot_tiers
 
 __all__ = ["compare_markdown", "tiers_markdown", "write_compare_report", "write_tiers_report"]
@@ -72,8 +73,20 @@ def write_tiers_report(report: dict, out_dir: str | os.PathLike) -> dict[str, Pa
 
 
 def compare_markdown(result: dict) -> str:
-    """``compare.md`` from a :func:`compare_rankings` result. (Long because it writes one
-    markdown document top to bottom, table after table.)"""
+    """``compare.md`` from a :func:`compare_rankings` result: its sections in order."""
+    out = [
+        *_rankings_section(result),
+        *_flips_section(result),
+        *_mass_section(result),
+        *_promoted_section(result),
+        *_support_section(result),
+        *_definitions_section(result),
+    ]
+    return "\n".join(out)
+
+
+def _rankings_section(result: dict) -> list[str]:
+    """The title and one row per ranking: corpus, tokens, saliency, retained mass."""
     k, L, E = result["keep"], result["num_layers"], result["num_experts"]
     out = [
         "# Ranking comparison",
@@ -89,7 +102,12 @@ def compare_markdown(result: dict) -> str:
             f"| {r['label']} | {r['corpus']} | {toks} | {r['saliency']} | "
             f"{pct(r['retained_mass'])} |"
         )
-    out += [
+    return out
+
+
+def _flips_section(result: dict) -> list[str]:
+    """Keep/drop flips per consecutive pair of rankings, and their spread over layers."""
+    out = [
         "",
         "## Keep/drop flips",
         "",
@@ -122,6 +140,13 @@ def compare_markdown(result: dict) -> str:
         ),
         "",
         "![flips per layer](flips_per_layer.png)",
+    ]
+    return out
+
+
+def _mass_section(result: dict) -> list[str]:
+    """Retained saliency mass of each pair, own plans and crossed."""
+    out = [
         "",
         "## Retained saliency mass",
         "",
@@ -136,7 +161,13 @@ def compare_markdown(result: dict) -> str:
             f"{pct(m['own_later'])} | {pct(m['earlier_saliency_under_later_plan'])} | "
             f"{pct(m['later_saliency_under_earlier_plan'])} |"
         )
-    out += ["", "## Promoted experts", ""]
+    return out
+
+
+def _promoted_section(result: dict) -> list[str]:
+    """How much more often the promoted experts are routed by one source than another
+    (skipped, saying why, without per-source counts)."""
+    out = ["", "## Promoted experts", ""]
     if not result["routing_sources"]:
         out.append(
             "No per-source routing counts were available (give `--per-source en=S1 zh=S2` or "
@@ -163,7 +194,12 @@ def compare_markdown(result: dict) -> str:
                     f"{pct(r['promoted_frac_more_by_a'])} | {pct(r['all_frac_more_by_a'])} |"
                 )
         out += ["", "![routing ratio](routing_ratio.png)"]
-    out += [
+    return out
+
+
+def _support_section(result: dict) -> list[str]:
+    """Routed tokens of promoted and demoted experts relative to their layer's median."""
+    out = [
         "",
         "Support of promoted experts (routed tokens) relative to the median expert of their "
         "layer (1.0 = median):",
@@ -184,8 +220,13 @@ def compare_markdown(result: dict) -> str:
                 f"{'n/a' if dmed is None else f'{dmed:.2f}'} | "
                 f"{pct(s['all']['frac_below_layer_median'])} |"
             )
+    return out
+
+
+def _definitions_section(result: dict) -> list[str]:
+    """The keep rule as applied and what each number means."""
     rule = result["keep_rule"]
-    out += [
+    return [
         "",
         "## Definitions",
         "",
@@ -202,7 +243,6 @@ def compare_markdown(result: dict) -> str:
         "- every number is in compare.json.",
         "",
     ]
-    return "\n".join(out)
 
 
 def write_compare_report(

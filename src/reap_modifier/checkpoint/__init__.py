@@ -1,8 +1,9 @@
 """Checkpoints on disk: the bit-exact rewriter (``reap prune``), ``reap verify``, the
 pruning manifest, and the modifier's save path through the rewriter.
 
-Stages of a rewrite, one module each: :mod:`.layout` reads a checkpoint's headers and
-finds its MoE blocks; :mod:`.binding` maps a plan onto them; :mod:`.converter` is the
+Stages of a rewrite, one module each: :mod:`.layout` reads a checkpoint's headers,
+:mod:`.moe_blocks` finds its MoE blocks and classifies their tensors, :mod:`.quantization`
+reads its quantization config; :mod:`.binding` maps a plan onto them; :mod:`.converter` is the
 compressed-tensors ``Converter`` that applies it; :mod:`.byte_copy` streams kept byte
 ranges; :mod:`.source_hashes` hashes the source alongside; :mod:`.upstream` holds the
 workarounds for compressed-tensors' ``convert_checkpoint``; :mod:`.destination` claims
@@ -23,14 +24,9 @@ from .byte_copy import default_output_checksum, new_hasher
 from .converter import ExpertPlanPruner
 from .destination import DestinationClaim, check_destination, work_dir_kind
 from .errors import CheckpointError, DestinationError
-from .layout import (
-    COUNT_KEY_CONTAINERS,
-    CheckpointLayout,
-    MoEBlock,
-    check_packed_scales,
-    find_count_keys,
-    inspect_checkpoint,
-)
+from .layout import COUNT_KEY_CONTAINERS, CheckpointLayout, find_count_keys, inspect_checkpoint
+from .moe_blocks import MoEBlock
+from .quantization import check_packed_scales
 from .rewrite import (
     DEFAULT_METHOD,
     RewriteJob,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import NoReturn
 
 from loguru import logger
 
@@ -28,19 +29,16 @@ from ..models.config_keys import COUNT_KEYS, group_limit
 from ..models.expert_tensors import hash_routed_message
 from ..scores.plan import PlanError, PruningPlan
 from .errors import CheckpointError, NotWholeError
-from .layout import (
-    COUNT_KEY_CONTAINERS,
+from .layout import COUNT_KEY_CONTAINERS, CheckpointLayout, find_count_keys, preview
+from .moe_blocks import (
     LAYER_RE,
     MODULE_EXPERT_RE,
     PER_EXPERT_RE,
-    CheckpointLayout,
     MoEBlock,
     check_block,
-    check_packed_scales,
-    find_count_keys,
     left_behind_in,
-    preview,
 )
+from .quantization import check_packed_scales
 from .safetensors_header import TensorEntry
 
 __all__ = [
@@ -236,16 +234,37 @@ def bind_plan(
     Raises :class:`CheckpointError` / :class:`PlanError` before any byte is written:
     unmatched or ambiguous layers, uncovered MoE blocks (per ``extra_layers``), expert
     counts that differ from the plan, missing count keys, a keep count below top-k,
-    and, for group-limited routers, kept experts not spread equally over groups. (Long
-    because those checks run here one after the other, in the order their errors should be
-    reported.)
+    and, for group-limited routers, kept experts not spread equally over groups. The
+    checks run in the order their errors should be reported.
     """
     plan.validate()
+    _check_blocks_fit(layout, plan.num_experts)
+    _refuse_unprunable(layout)
+    _check_scales(layout)
+    layer_map = _map_layers(layout, plan)
+    block_kept = {p: list(plan.kept[layer]) for layer, p in layer_map.items()}
+    uncovered = [p for p in layout.blocks if p not in block_kept]
+    extra: dict[str, dict] = {}
+    if uncovered:
+        extra = _bind_extra_layers(layout, plan, uncovered, extra_layers)
+        for p, info in extra.items():
+            info["kept_original_ids"] = list(plan.kept[info["kept_from"]])
+            block_kept[p] = info["kept_original_ids"]
+    count_keys = _count_keys(layout, plan.num_experts)
+    _check_keep_fits_routing(layout, plan, block_kept)
+    spec = RewriteSpec(layout, plan, block_kept, layer_map, extra, sorted(count_keys))
+    problems = spec.left_behind(spec.output_shapes())
+    if problems:  # the rules above should make this impossible: the last line of defence
+        raise NotWholeError(_not_whole(layout, problems))
+    return spec
+
+
+def _check_blocks_fit(layout: CheckpointLayout, E: int) -> None:
+    """The checkpoint has MoE blocks, each consistent and holding the plan's ``E`` experts."""
     if not layout.blocks:
         raise CheckpointError(
             f"{layout.path}: no MoE block (no '.experts.' tensors) in the checkpoint"
         )
-    E = plan.num_experts
     problems = []
     for b in layout.blocks.values():
         problems += check_block(b, {n: layout.entry(n) for n in b.cuts}, None)
@@ -255,7 +274,10 @@ def bind_plan(
             )
     if problems:
         raise CheckpointError("checkpoint does not fit the plan:\n  " + "\n  ".join(problems))
-    _refuse_unprunable(layout)
+
+
+def _check_scales(layout: CheckpointLayout) -> None:
+    """Packed weights and their scales agree with the quantization config."""
     problems = check_packed_scales({n: layout.entry(n) for n in layout.weight_map}, layout.config)
     if problems:
         raise CheckpointError(
@@ -263,6 +285,10 @@ def bind_plan(
             + "\n  ".join(problems[:20])
             + (f"\n  ... {len(problems) - 20} more" if len(problems) > 20 else "")
         )
+
+
+def _map_layers(layout: CheckpointLayout, plan: PruningPlan) -> dict[str, str]:
+    """Plan layer -> checkpoint block, each block named by one plan layer at most."""
     layer_map: dict[str, str] = {}
     for layer in plan.kept:
         layer_map[layer] = resolve_block(layer, layout.blocks)
@@ -271,69 +297,81 @@ def bind_plan(
         raise CheckpointError(
             f"several plan layers map to the same checkpoint block(s) {sorted(dup)}"
         )
-    block_kept = {p: list(plan.kept[layer]) for layer, p in layer_map.items()}
+    return layer_map
+
+
+def _bind_extra_layers(
+    layout: CheckpointLayout, plan: PruningPlan, uncovered: list[str], extra_layers: ExtraLayers
+) -> dict[str, dict]:
+    """The rule for each MoE block the plan does not name (``extra_layers``): ``{prefix:
+    {"policy", "kept_from"}}``; ``"error"`` raises, naming them."""
     extra: dict[str, dict] = {}
-    uncovered = [p for p in layout.blocks if p not in block_kept]
-    if uncovered:
-        if isinstance(extra_layers, Mapping):
-            mapping = {
-                resolve_block(k, layout.blocks, what="extra_layers key"): v
-                for k, v in extra_layers.items()
-            }
-            for p in uncovered:
-                src = mapping.get(p)
-                if src is None:
-                    raise CheckpointError(
-                        f"checkpoint MoE block {p!r} is neither in the plan nor in extra_layers"
-                    )
-                if src not in plan.kept:
-                    raise CheckpointError(
-                        f"extra_layers maps {p!r} to {src!r}, which is not a plan layer"
-                    )
-                extra[p] = {"policy": "mapped", "kept_from": src}
-        elif extra_layers == "like-last":
-            deepest = max(plan.kept, key=lambda n: (_layer_key(n) or (-1, ""))[0])
-            for p in uncovered:
-                extra[p] = {"policy": "like-last", "kept_from": deepest}
-        elif extra_layers == "error":
-            described = ", ".join(
-                f"{p} ({layout.blocks[p].num_experts} experts)" for p in uncovered
-            )
-            nh = layout.config_value(("num_hidden_layers",))
-            hint = ""
-            if nh is not None and any(
-                layout.blocks[p].layer_index is not None and layout.blocks[p].layer_index >= int(nh)
-                for p in uncovered
-            ):
-                hint = f" (layer index >= num_hidden_layers={nh}: an MTP / next-token-prediction layer)"
-            regular = [
-                p
-                for p in uncovered
-                if nh is not None
-                and layout.blocks[p].layer_index is not None
-                and layout.blocks[p].layer_index < int(nh)
-            ]
-            if regular:  # not an MTP layer: the plan is incomplete or for another model
+    if isinstance(extra_layers, Mapping):
+        mapping = {
+            resolve_block(k, layout.blocks, what="extra_layers key"): v
+            for k, v in extra_layers.items()
+        }
+        for p in uncovered:
+            src = mapping.get(p)
+            if src is None:
                 raise CheckpointError(
-                    f"the plan does not cover MoE layer(s) {', '.join(regular)} of the checkpoint "
-                    f"(decoder layers, below num_hidden_layers={nh}); a plan must name every MoE "
-                    "layer the model runs: cut it from scores of this checkpoint (reap cut, or "
-                    "reap prune --scores)"
+                    f"checkpoint MoE block {p!r} is neither in the plan nor in extra_layers"
                 )
-            raise CheckpointError(
-                f"the checkpoint has MoE layer(s) the plan does not cover: {described}{hint}. "
-                "Every MoE layer must end with the same expert count. Pass --extra-layers "
-                "like-last (extra_layers='like-last') to cut them with the kept ids of the "
-                "deepest plan layer, or extra_layers={prefix: plan_layer}"
-            )
-        else:
-            raise CheckpointError(
-                f"extra_layers must be 'error', 'like-last' or a mapping, got {extra_layers!r}"
-            )
-        for p, info in extra.items():
-            info["kept_original_ids"] = list(plan.kept[info["kept_from"]])
-            block_kept[p] = info["kept_original_ids"]
-    # count keys
+            if src not in plan.kept:
+                raise CheckpointError(
+                    f"extra_layers maps {p!r} to {src!r}, which is not a plan layer"
+                )
+            extra[p] = {"policy": "mapped", "kept_from": src}
+    elif extra_layers == "like-last":
+        deepest = max(plan.kept, key=lambda n: (_layer_key(n) or (-1, ""))[0])
+        for p in uncovered:
+            extra[p] = {"policy": "like-last", "kept_from": deepest}
+    elif extra_layers == "error":
+        _refuse_uncovered(layout, uncovered)
+    else:
+        raise CheckpointError(
+            f"extra_layers must be 'error', 'like-last' or a mapping, got {extra_layers!r}"
+        )
+    return extra
+
+
+def _refuse_uncovered(layout: CheckpointLayout, uncovered: list[str]) -> NoReturn:
+    """``extra_layers="error"``: the blocks the plan does not cover, named, with the hint
+    for an MTP layer (index at or past ``num_hidden_layers``) or the fix for a plan that
+    misses decoder layers."""
+    described = ", ".join(f"{p} ({layout.blocks[p].num_experts} experts)" for p in uncovered)
+    nh = layout.config_value(("num_hidden_layers",))
+    hint = ""
+    if nh is not None and any(
+        layout.blocks[p].layer_index is not None and layout.blocks[p].layer_index >= int(nh)
+        for p in uncovered
+    ):
+        hint = f" (layer index >= num_hidden_layers={nh}: an MTP / next-token-prediction layer)"
+    regular = [
+        p
+        for p in uncovered
+        if nh is not None
+        and layout.blocks[p].layer_index is not None
+        and layout.blocks[p].layer_index < int(nh)
+    ]
+    if regular:  # not an MTP layer: the plan is incomplete or for another model
+        raise CheckpointError(
+            f"the plan does not cover MoE layer(s) {', '.join(regular)} of the checkpoint "
+            f"(decoder layers, below num_hidden_layers={nh}); a plan must name every MoE "
+            "layer the model runs: cut it from scores of this checkpoint (reap cut, or "
+            "reap prune --scores)"
+        )
+    raise CheckpointError(
+        f"the checkpoint has MoE layer(s) the plan does not cover: {described}{hint}. "
+        "Every MoE layer must end with the same expert count. Pass --extra-layers "
+        "like-last (extra_layers='like-last') to cut them with the kept ids of the "
+        "deepest plan layer, or extra_layers={prefix: plan_layer}"
+    )
+
+
+def _count_keys(layout: CheckpointLayout, E: int) -> dict[str, int]:
+    """The config's expert-count keys equal to ``E`` (the rewriter sets them); other count
+    keys are left unchanged, with a warning."""
     count_keys = find_count_keys(layout.config, E)
     if not count_keys:
         found = find_count_keys(layout.config)
@@ -347,7 +385,15 @@ def bind_plan(
         logger.warning(
             f"config count keys {others} differ from the expert count {E}; left unchanged"
         )
-    keep = plan.num_kept
+    return count_keys
+
+
+def _check_keep_fits_routing(
+    layout: CheckpointLayout, plan: PruningPlan, block_kept: dict[str, list[int]]
+) -> None:
+    """The keep count is at least top-k, and a group-limited router keeps the same number
+    of experts in every group."""
+    E, keep = plan.num_experts, plan.num_kept
     top_k = layout.top_k
     if top_k is not None and keep < top_k:
         raise PlanError(
@@ -367,11 +413,6 @@ def bind_plan(
                     f"{p}: group-limited routing (n_group={n_group}, topk_group={topk_group}) "
                     f"needs the same number kept in every group; the plan keeps {per}"
                 )
-    spec = RewriteSpec(layout, plan, block_kept, layer_map, extra, sorted(count_keys))
-    problems = spec.left_behind(spec.output_shapes())
-    if problems:  # the rules above should make this impossible: the last line of defence
-        raise NotWholeError(_not_whole(layout, problems))
-    return spec
 
 
 def _not_whole(layout: CheckpointLayout, problems: list[str]) -> str:

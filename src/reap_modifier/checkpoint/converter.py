@@ -14,13 +14,9 @@ from ..pause_points import pause_point
 from .binding import RewriteSpec, rewrite_quant_config
 from .byte_copy import ByteMover, default_output_checksum, merge_ranges, new_hasher
 from .errors import CheckpointError
-from .layout import (
-    COUNT_KEY_CONTAINERS,
-    PER_EXPERT_RE,
-    QUANT_CONFIG_KEYS,
-    preview,
-    set_dotted,
-)
+from .layout import COUNT_KEY_CONTAINERS, preview, set_dotted
+from .moe_blocks import PER_EXPERT_RE
+from .quantization import QUANT_CONFIG_KEYS
 from .safetensors_header import encode_header
 
 __all__ = ["ExpertPlanPruner"]

@@ -8,13 +8,20 @@ saying what to change; a failed verification exits with code 1.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 
 import typer
 
-from .common import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, check_failed, fail
+from .common import (
+    EXIT_CHECK_FAILED,
+    EXIT_INTERRUPTED,
+    VLLM_ARG_OPTION,
+    VLLM_PYTHON_OPTION,
+    check_failed,
+    fail,
+    interruptible,
+)
 
 __all__ = ["register"]
 
@@ -26,28 +33,6 @@ VERIFY_EXAMPLE = (
     "Example: reap verify /models/K3-448 --source /models/K3; "
     "reap verify pruned/ --vllm --vllm-python .venv-vllm/bin/python --vllm-dtype float32"
 )
-
-
-@contextlib.contextmanager
-def _interruptible():
-    """SIGTERM (a scheduler's kill, ``timeout``) takes the same path as Ctrl-C: the
-    rewriter removes its temporary directory and the command says so.  (SIGKILL
-    cannot be caught: its leftovers are removed by the next run into the same output.)"""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _check_prune_args(scores, plan, keep, sparsity, divisible_by, output_checksum) -> None:
@@ -95,7 +80,7 @@ def _run_prune(job) -> Path:
 
     out = job.dst
     try:
-        with _interruptible():
+        with interruptible():
             return job.run()
     except DestinationError as exc:  # taken by another run meanwhile, not writable
         fail(exc)
@@ -115,9 +100,74 @@ def _run_prune(job) -> Path:
         )
 
 
+def _prune(
+    src, out, scores, plan, cut: dict, extra_layers, save_plan, force, options: dict
+) -> None:
+    """``reap prune``'s work: check the options, prepare the job, save the plan, run."""
+    keep, sparsity, divisible_by = cut["keep"], cut["sparsity"], cut["divisible_by"]
+    _check_prune_args(scores, plan, keep, sparsity, divisible_by, options["output_checksum"])
+    if extra_layers not in ("error", "like-last"):
+        fail(f"--extra-layers must be 'error' or 'like-last', got {extra_layers!r}")
+    if save_plan is not None and save_plan.is_dir():
+        fail(f"--save-plan {save_plan} is a directory; give the path of the JSON file to write")
+    job = _prepare_prune(
+        src,
+        out,
+        scores,
+        plan,
+        cut,
+        force=force,
+        extra_layers=extra_layers,
+        manifest_extra={"cli": {"argv": sys.argv[1:], "plan_file": str(plan) if plan else None}},
+        **options,
+    )
+    if save_plan is not None:
+        try:
+            job.plan.save(save_plan)
+        except OSError as exc:
+            fail(f"--save-plan {save_plan}: cannot write it ({exc.strerror})")
+    typer.echo(job.summary(), err=True)
+    typer.echo(str(_run_prune(job)))
+
+
+def _verify(dst: Path, source: Path | None, quiet: bool) -> None:
+    """``reap verify`` without vLLM: run the checks, print the verdict (exit 1 on failure)."""
+    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.verify import verify_checkpoint
+
+    try:
+        report = verify_checkpoint(dst, source=source, progress=not quiet)
+    except (OSError, CheckpointError) as exc:
+        fail(f"{dst}: verification could not read the files ({exc})", EXIT_CHECK_FAILED)
+    for w in report.warnings:
+        typer.echo(f"warning: {w}", err=True)
+    if not report.ok:
+        check_failed(
+            report.failures, f"{dst}: verification FAILED ({len(report.failures)} problem(s))"
+        )
+    info = report.info
+    typer.echo(
+        f"{dst}: OK ({info.get('moe_layers')} MoE layers x {info.get('num_experts')} experts, "
+        f"{info.get('tensors')} tensors in {info.get('shards')} shards"
+        + (
+            f", {info.get('tensors_matching_source')} tensors sha256-equal to the source"
+            if info.get("checked_against_source")
+            else ""
+        )
+        + ")"
+    )
+    for name, why in sorted((info.get("differs_from_source") or {}).items()):
+        typer.echo(f"  {name}: differs from the source: {why} (recorded in the manifest)")
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``prune`` and ``verify`` to ``app``. (Long only by the two commands' option
-    declarations; their work is in the functions above.)"""
+    """Add ``prune`` and ``verify`` to ``app``."""
+    _register_prune(app)
+    _register_verify(app)
+
+
+def _register_prune(app: typer.Typer) -> None:
+    """``reap prune``: its options; the work is :func:`_prune`."""
 
     @app.command("prune", epilog=PRUNE_EXAMPLE)
     def prune(
@@ -172,39 +222,31 @@ def register(app: typer.Typer) -> None:
         output_checksum: str | None = typer.Option(
             None,
             "--output-checksum",
-            help="checksum recorded per output shard: xxh3_128 (default, fast) or sha256",
+            help="checksum recorded per output shard: xxh3_128 or sha256 (default: xxh3_128 when the xxhash package is installed, else sha256)",
         ),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     ):
         """Prune routed experts from a checkpoint: kept experts' bytes copied verbatim."""
-        _check_prune_args(scores, plan, keep, sparsity, divisible_by, output_checksum)
-        if extra_layers not in ("error", "like-last"):
-            fail(f"--extra-layers must be 'error' or 'like-last', got {extra_layers!r}")
-        if save_plan is not None and save_plan.is_dir():
-            fail(f"--save-plan {save_plan} is a directory; give the path of the JSON file to write")
-        job = _prepare_prune(
+        _prune(
             src,
             out,
             scores,
             plan,
             dict(keep=keep, sparsity=sparsity, divisible_by=divisible_by, saliency=saliency),
-            force=force,
-            extra_layers=extra_layers,
-            progress=not quiet,
-            hash_source=not no_hash_source,
-            hash_cache=False if no_hash_cache else None,
-            output_checksum=output_checksum,
-            manifest_extra={
-                "cli": {"argv": sys.argv[1:], "plan_file": str(plan) if plan else None}
-            },
+            extra_layers,
+            save_plan,
+            force,
+            dict(
+                progress=not quiet,
+                hash_source=not no_hash_source,
+                hash_cache=False if no_hash_cache else None,
+                output_checksum=output_checksum,
+            ),
         )
-        if save_plan is not None:
-            try:
-                job.plan.save(save_plan)
-            except OSError as exc:
-                fail(f"--save-plan {save_plan}: cannot write it ({exc.strerror})")
-        typer.echo(job.summary(), err=True)
-        typer.echo(str(_run_prune(job)))
+
+
+def _register_verify(app: typer.Typer) -> None:
+    """``reap verify``: its options; the work is :func:`_verify` and :func:`_verify_with_vllm`."""
 
     @app.command("verify", epilog=VERIFY_EXAMPLE)
     def verify(
@@ -218,11 +260,7 @@ def register(app: typer.Typer) -> None:
             "--vllm",
             help="also check that vLLM loads the checkpoint and serves the tokens transformers computes",
         ),
-        vllm_python: Path | None = typer.Option(
-            None,
-            "--vllm-python",
-            help="Python of an environment with vLLM (default: $REAP_VLLM_PYTHON, ./.venv-vllm/bin/python)",
-        ),
+        vllm_python: Path | None = VLLM_PYTHON_OPTION,
         vllm_mode: str = typer.Option(
             "auto",
             "--vllm-mode",
@@ -231,11 +269,7 @@ def register(app: typer.Typer) -> None:
         vllm_dtype: str = typer.Option(
             "auto", "--vllm-dtype", help="compute dtype on both sides: auto, bfloat16, float32"
         ),
-        vllm_arg: list[str] | None = typer.Option(
-            None,
-            "--vllm-arg",
-            help="extra vLLM server argument, e.g. --vllm-arg=--tensor-parallel-size=8 (repeatable)",
-        ),
+        vllm_arg: list[str] | None = VLLM_ARG_OPTION,
         vllm_max_tokens: int = typer.Option(
             16, "--vllm-max-tokens", help="greedy tokens per prompt"
         ),
@@ -249,32 +283,7 @@ def register(app: typer.Typer) -> None:
         ),
     ):
         """Check a pruned checkpoint: counts, routers, expert indices, manifest, and (with --source) bytes."""
-        from ..checkpoint.errors import CheckpointError
-        from ..checkpoint.verify import verify_checkpoint
-
-        try:
-            report = verify_checkpoint(dst, source=source, progress=not quiet)
-        except (OSError, CheckpointError) as exc:
-            fail(f"{dst}: verification could not read the files ({exc})", EXIT_CHECK_FAILED)
-        for w in report.warnings:
-            typer.echo(f"warning: {w}", err=True)
-        if not report.ok:
-            check_failed(
-                report.failures, f"{dst}: verification FAILED ({len(report.failures)} problem(s))"
-            )
-        info = report.info
-        typer.echo(
-            f"{dst}: OK ({info.get('moe_layers')} MoE layers x {info.get('num_experts')} experts, "
-            f"{info.get('tensors')} tensors in {info.get('shards')} shards"
-            + (
-                f", {info.get('tensors_matching_source')} tensors sha256-equal to the source"
-                if info.get("checked_against_source")
-                else ""
-            )
-            + ")"
-        )
-        for name, why in sorted((info.get("differs_from_source") or {}).items()):
-            typer.echo(f"  {name}: differs from the source: {why} (recorded in the manifest)")
+        _verify(dst, source, quiet)
         if vllm:
             _verify_with_vllm(
                 dst,

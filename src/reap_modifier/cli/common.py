@@ -1,6 +1,6 @@
 """What every ``reap`` command shares: exit codes, consoles, error reporting, output
-directories checked before work starts, options that take several values after one flag,
-retired option spellings, and stdout kept for results.
+directories checked before work starts, SIGTERM taken as Ctrl-C, options that take several
+values after one flag, retired option spellings, and stdout kept for results.
 
 Exit codes: ``0`` ok; ``1`` a check failed (``reap verify`` found a problem, or a
 rewrite failed after its inputs were accepted); ``2`` usage or bad input (a message
@@ -29,6 +29,8 @@ __all__ = [
     "EXIT_USAGE",
     "HELP_OPTIONS",
     "OUTPUT_ALIASES",
+    "VLLM_ARG_OPTION",
+    "VLLM_PYTHON_OPTION",
     "GreedyCommand",
     "check_failed",
     "check_output_dir",
@@ -37,6 +39,7 @@ __all__ = [
     "err_console",
     "fail",
     "greedy",
+    "interruptible",
     "key_values",
     "third_party_logs_to_stderr",
 ]
@@ -53,6 +56,18 @@ err_console = Console(stderr=True)
 
 #: ``-h`` is ``--help`` for every command (the app's context settings, inherited)
 HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
+
+#: options of every command that runs vLLM (``reap verify --vllm``, ``reap eval``)
+VLLM_PYTHON_OPTION = typer.Option(
+    None,
+    "--vllm-python",
+    help="Python of an environment with vLLM (default: $REAP_VLLM_PYTHON, ./.venv-vllm/bin/python)",
+)
+VLLM_ARG_OPTION = typer.Option(
+    None,
+    "--vllm-arg",
+    help="extra vLLM server argument, e.g. --vllm-arg=--tensor-parallel-size=8 (repeatable)",
+)
 
 #: retired spellings of the output flag, still accepted (hidden from help): every command
 #: writes to ``-o`` / ``--out``
@@ -188,3 +203,25 @@ def key_values(items: list[str] | None, what: str) -> dict[str, str]:
             raise typer.BadParameter(f"{what} expects KEY=VALUE, got {item!r}")
         out[key] = value
     return out
+
+
+@contextlib.contextmanager
+def interruptible():
+    """SIGTERM (a scheduler's kill, ``timeout``) takes the same path as Ctrl-C: the
+    rewriter removes its temporary directory and the command says so.  (SIGKILL
+    cannot be caught: its leftovers are removed by the next run into the same output.)"""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -2,7 +2,7 @@
 why in its docstring; one module per area:
 
 - :mod:`.saving`: expert counts in the saved ``config.json``, linearized experts repacked
-  for saving, the GPT-OSS repack inverse;
+  for saving, the GPT-OSS repack inverse, the Llama-4 repack;
 - :mod:`.loading`: broken lazy transformers aliases, ``oneshot(model=<path>)`` loading
   packed;
 - :mod:`.linear_experts`: post-load linearized experts built from the fused module's
@@ -14,7 +14,8 @@ why in its docstring; one module per area:
   traced subgraphs.
 
 This package is a leaf: it imports nothing of ours but :mod:`reap_modifier.registries`,
-where the core registers what it needs and the patches publish to; each patch can be
+where the core registers what it needs and the patches publish to, and (the Llama-4 repack)
+the config reader :mod:`reap_modifier.models.moe_fields`; each patch can be
 deleted on its own once upstream fixes its gap. Applied once, idempotently, by
 :func:`install` (called when the modifier module is imported). Two of them fix
 llm-compressor for every ``oneshot`` in the process, not only REAP's: data-parallel

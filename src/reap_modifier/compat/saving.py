@@ -103,12 +103,14 @@ def patch_llama4_repack() -> None:
 
     if getattr(Llama4LinearExperts.to_experts_module, "_reap_patched", False):
         return
+    from ..models.moe_fields import text_section  # the one reader of nested configs
+
     original = Llama4LinearExperts.from_experts_module.__func__
 
     def from_experts_module(cls, experts, config):
         self = original(cls, experts, config)
         self._source_experts_cls = type(experts)
-        self._source_config = getattr(config, "text_config", None) or config
+        self._source_config = text_section(config)  # Llama4Config -> its text config
         return self
 
     @torch.no_grad()

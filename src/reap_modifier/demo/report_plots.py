@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..analysis.plots import save_png
+from ..reporting import save_png
 from .config import ABLATION, LANGS, REFERENCE
 from .records import read_results
 

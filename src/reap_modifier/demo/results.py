@@ -9,7 +9,7 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ..analysis.formatting import jsonable
+from ..reporting import jsonable
 from .calibrate import Calibration
 from .comparison import Comparison
 from .config import HEADLINE_METHOD, LANGS, METHODS, RANKINGS, DemoConfig

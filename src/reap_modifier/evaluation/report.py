@@ -177,7 +177,7 @@ def plot(res: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from ..analysis.plots import save_png
+    from ..reporting import save_png
 
     labels = list(res["texts"])
     cands = res["candidates"]
@@ -216,7 +216,7 @@ def write_outputs(res: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     paths = {"json": d / "eval.json", "md": d / "eval.md", "png": d / "eval.png"}
-    from ..analysis.formatting import jsonable
+    from ..reporting import jsonable
 
     text = json.dumps(jsonable(res), indent=1, ensure_ascii=False, allow_nan=False)
     write_atomic(paths["json"], text + "\n")

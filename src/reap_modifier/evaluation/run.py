@@ -416,7 +416,49 @@ def _lm_eval_on_server(prep: Prepared, name: str, log):
 # ----------------------------------------------------------------------------- results
 
 
+def _model_entry(r: dict, rows: list[dict], ref_summary: dict | None) -> dict:
+    """One model's numbers on one text (``r``: its summary; ``rows``: its generations;
+    ``ref_summary``: the reference's summary, ``None`` for the reference itself)."""
+    is_ref = ref_summary is None
+    runs = [row["repeat_run_tokens"] for row in rows]
+    entry = {
+        "nll": r["nll"],
+        "nll_se": r["nll_se"],
+        "ppl": r["ppl"],
+        "top1": r.get("top1_agreement") if not is_ref else 1.0,
+        "kl": r.get("kl") if not is_ref else None,
+        "repeat_run_max": max(runs) if runs else None,
+        "repeat_run_mean": sum(runs) / len(runs) if runs else None,
+        "repeat_run_chars_max": max((row["repeat_run_chars"] for row in rows), default=None),
+        "tokens": r["tokens"],
+        "windows": r["windows"],
+        "nll_per_window": r["nll_per_window"],
+    }
+    if "kl_tail_mass" in r and not is_ref:
+        entry["kl_tail_mass"] = r["kl_tail_mass"]
+    if not is_ref:
+        entry["vs_reference"] = paired_difference(
+            ref_summary["nll_per_window"], r["nll_per_window"]
+        )
+    return entry
+
+
+def _paired_candidates(cands: list[str], labels, models: dict) -> list[dict]:
+    """Every pair of candidates' paired NLL difference, per text."""
+    paired = []
+    for i, a in enumerate(cands):
+        for b in cands[i + 1 :]:
+            row = {"a": a, "b": b}
+            for label in labels:
+                row[label] = paired_difference(
+                    models[a][label]["nll_per_window"], models[b][label]["nll_per_window"]
+                )
+            paired.append(row)
+    return paired
+
+
 def _results(prep: Prepared, summaries, gens, throughput, from_cache, command, t_start) -> dict:
+    """``eval.json``'s content: settings, texts, every model's numbers and generations."""
     s = prep.settings
     tok = prep.tokenizer
     ref = prep.reference
@@ -424,7 +466,6 @@ def _results(prep: Prepared, summaries, gens, throughput, from_cache, command, t
     for name in [ref, *prep.candidates]:
         models[name], generations[name] = {}, {}
         for label in prep.windows:
-            r = summaries[name][label]
             rows = []
             for p, ids in zip(prep.prompts[label], gens[name].get(label) or []):
                 text = tok.decode(ids)
@@ -432,39 +473,10 @@ def _results(prep: Prepared, summaries, gens, throughput, from_cache, command, t
                     {"prompt": p["ids"], "ids": ids, "text": text, **repetition_stats(ids, text)}
                 )
             generations[name][label] = rows
-            runs = [row["repeat_run_tokens"] for row in rows]
-            entry = {
-                "nll": r["nll"],
-                "nll_se": r["nll_se"],
-                "ppl": r["ppl"],
-                "top1": r.get("top1_agreement") if name != ref else 1.0,
-                "kl": r.get("kl") if name != ref else None,
-                "repeat_run_max": max(runs) if runs else None,
-                "repeat_run_mean": sum(runs) / len(runs) if runs else None,
-                "repeat_run_chars_max": max(
-                    (row["repeat_run_chars"] for row in rows), default=None
-                ),
-                "tokens": r["tokens"],
-                "windows": r["windows"],
-                "nll_per_window": r["nll_per_window"],
-            }
-            if "kl_tail_mass" in r and name != ref:
-                entry["kl_tail_mass"] = r["kl_tail_mass"]
-            if name != ref:
-                entry["vs_reference"] = paired_difference(
-                    summaries[ref][label]["nll_per_window"], r["nll_per_window"]
-                )
-            models[name][label] = entry
-    paired = []
+            ref_summary = summaries[ref][label] if name != ref else None
+            models[name][label] = _model_entry(summaries[name][label], rows, ref_summary)
     cands = prep.candidates
-    for i, a in enumerate(cands):
-        for b in cands[i + 1 :]:
-            row = {"a": a, "b": b}
-            for label in prep.windows:
-                row[label] = paired_difference(
-                    models[a][label]["nll_per_window"], models[b][label]["nll_per_window"]
-                )
-            paired.append(row)
+    paired = _paired_candidates(cands, prep.windows, models)
     exact = s.backend == "transformers" and not from_cache
     from .. import __version__
 

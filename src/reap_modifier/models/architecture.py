@@ -136,21 +136,10 @@ def _matches(pattern: str, name: str) -> bool:
     return re.search(pattern, name) is not None
 
 
-def find_moe_architecture(model: nn.Module, ignore: list[str] | None = None) -> MoEArchitecture:
-    """Locate every prunable MoE block and read the MoE fields of the config.
-
-    :param ignore: regex patterns (``re.search``) of module names to leave alone; a
-        pattern that would leave *some* MoE layers unpruned is refused, because the
-        saved config can hold only one expert count
-    :raises NoMoEError: the model has no supported MoE block
-    :raises ValueError: ``ignore`` excludes some but not all MoE layers
-    """
-    ignore = list(ignore or [])
-    config = getattr(model, "config", None)
-    if config is None:
-        raise NoMoEError(f"{type(model).__name__} has no `config`; pass a transformers model")
-    cfg = text_config(config)
-
+def _find_blocks(model: nn.Module, ignore: list[str]) -> tuple[list[MoELayer], list[str]]:
+    """The MoE blocks an adapter recognises (those ``ignore`` matches apart, by name);
+    refuses a model with none (saying why where a block is unrecognised) and ``ignore``
+    patterns that leave some MoE layers unpruned."""
     found: list[MoELayer] = []
     ignored: list[str] = []
     unmatched: list[UnmatchedBlock] = []
@@ -191,6 +180,51 @@ def find_moe_architecture(model: nn.Module, ignore: list[str] | None = None) -> 
             "holds a single expert count, so the checkpoint could not load. Prune every "
             "MoE layer (drop the patterns matching MoE blocks) or none."
         )
+    return found, ignored
+
+
+def _check_router_rows(
+    model: nn.Module, found: list[MoELayer], num_experts: int, count_key: str
+) -> None:
+    """Each router has one row per routed expert, or as many more as the block has shared
+    experts (recorded as ``extra_rows``); other extra rows are refused."""
+    for layer in found:
+        rows = layer.router_weight().shape[0]
+        shared = getattr(layer.router, "n_shared_experts", 0)
+        if isinstance(shared, int) and shared > 0 and rows == num_experts + shared:
+            layer.extra_rows = shared
+        elif rows > num_experts:
+            family = getattr(model.config, "model_type", type(model).__name__)
+            raise UnsupportedMoEError(
+                f"{family} ({type(model).__name__}): {layer.name}: the router has {rows} "
+                f"rows for {count_key}={num_experts} routed experts; the other "
+                f"{rows - num_experts} route to slots that are not routed experts (e.g. "
+                "LongCat-Flash's zero-computation experts), which REAP cannot renumber "
+                "yet. Not supported: no workaround in this version (docs/families.md)."
+            )
+        elif rows != num_experts:
+            raise ValueError(
+                f"{layer.name}: router has {rows} rows but the config says "
+                f"{count_key}={num_experts}; the model is inconsistent"
+            )
+
+
+def find_moe_architecture(model: nn.Module, ignore: list[str] | None = None) -> MoEArchitecture:
+    """Locate every prunable MoE block and read the MoE fields of the config.
+
+    :param ignore: regex patterns (``re.search``) of module names to leave alone; a
+        pattern that would leave *some* MoE layers unpruned is refused, because the
+        saved config can hold only one expert count
+    :raises NoMoEError: the model has no supported MoE block
+    :raises ValueError: ``ignore`` excludes some but not all MoE layers
+    """
+    ignore = list(ignore or [])
+    config = getattr(model, "config", None)
+    if config is None:
+        raise NoMoEError(f"{type(model).__name__} has no `config`; pass a transformers model")
+    cfg = text_config(config)
+
+    found, ignored = _find_blocks(model, ignore)
 
     # real keys only (transformers' attribute_map aliases resolve to one of them)
     stored = cfg.to_dict()
@@ -206,25 +240,7 @@ def find_moe_architecture(model: nn.Module, ignore: list[str] | None = None) -> 
     _, n_group = first_key(cfg, N_GROUP_KEYS)
     _, topk_group = first_key(cfg, TOPK_GROUP_KEYS)
 
-    for layer in found:
-        rows = layer.router_weight().shape[0]
-        shared = getattr(layer.router, "n_shared_experts", 0)
-        if isinstance(shared, int) and shared > 0 and rows == num_experts + shared:
-            layer.extra_rows = shared
-        elif rows > num_experts:
-            family = getattr(model.config, "model_type", type(model).__name__)
-            raise UnsupportedMoEError(
-                f"{family} ({type(model).__name__}): {layer.name}: the router has {rows} "
-                f"rows for {count_keys[0]}={num_experts} routed experts; the other "
-                f"{rows - num_experts} route to slots that are not routed experts (e.g. "
-                "LongCat-Flash's zero-computation experts), which REAP cannot renumber "
-                "yet. Not supported: no workaround in this version (docs/families.md)."
-            )
-        elif rows != num_experts:
-            raise ValueError(
-                f"{layer.name}: router has {rows} rows but the config says "
-                f"{count_keys[0]}={num_experts}; the model is inconsistent"
-            )
+    _check_router_rows(model, found, num_experts, count_keys[0])
 
     return MoEArchitecture(
         model_class=type(model).__name__,

@@ -29,6 +29,7 @@ __all__ = [
     "config_sections",
     "config_value",
     "moe_fields",
+    "text_section",
 ]
 
 #: nested configs searched after the top level (multimodal wrappers: K3, Llama-4, ...)
@@ -53,6 +54,13 @@ def config_sections(config) -> list[tuple[str, object]]:
             continue
         out.append((name, sub))
     return out
+
+
+def text_section(config):
+    """The section holding the language model's fields: the first nested config present
+    (a multimodal wrapper's text config), else the top level."""
+    sections = config_sections(config)
+    return sections[1][1] if len(sections) > 1 else config
 
 
 def config_value(config, keys: Iterable[str]):

@@ -1,9 +1,10 @@
 """Deciding what to keep: the scores file (per-expert statistics), calibration-free
-baselines, the keep-count rule and the pruning plan.
+baselines, the keep-count rule, the pruning plan, and how far two score sets differ.
 
 ``from reap_modifier.scores import ExpertScores`` is the scores file's public name.
 """
 
+from .difference import scores_difference
 from .scores_file import (
     BASELINE_METHODS,
     KIND_CALIBRATION,
@@ -32,4 +33,5 @@ __all__ = [
     "ExpertScores",
     "ScoresError",
     "saliency_from_stats",
+    "scores_difference",
 ]
