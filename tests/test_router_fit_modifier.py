@@ -170,7 +170,9 @@ def test_mxfp4_experts_bit_exact_router_fitted_and_reload_equal(tmp_path, tokeni
     report = verify_checkpoint(dst, source=src)
     assert report.ok, report.summary()
     assert sorted(report.info["differs_from_source"]) == sorted(fitted)
-    assert all("router fitted after the cut" in why for why in report.info["differs_from_source"].values())
+    assert all(
+        "router fitted after the cut" in why for why in report.info["differs_from_source"].values()
+    )
     manifest = json.loads((dst / "pruning_manifest.json").read_text())
     assert manifest["router_fit"]["layers"].keys() == plan.kept.keys()
     replaced = manifest["checkpoint"]["replaced_tensors"]
