@@ -278,6 +278,12 @@ class PostCutFit:
                 f"the post-cut fit captured no calibration tokens for {empty[0]}: no "
                 "calibration data reached the MoE layers (num_calibration_samples > 0)"
             )
+        logger.warning(
+            "REAP post-cut fit: the fitted tensors follow the calibration text, and the "
+            "held-out check uses the same text: a language absent from it can get worse "
+            "(fitted on English only, Chinese KL rose 32-43% on the bundled model); "
+            "calibrate on every language the model serves"
+        )
         validation = ValidationSet(capture.validation_batches()) if s.validate else None
         if validation is not None and not validation.batches:
             logger.warning(
