@@ -239,16 +239,18 @@ _ALL = (
     "random",
     "reap_en_fit",
     "reap_en_zh_code_fit",
+    "reap_en_comp",
     "reap_en_zh_code_comp",
 )
 METHODS = (
     *_ALL,  # 50%
     *(f"{m}_25" for m in ("reap_en", "reap_en_zh", "reap_en_zh_code", "random")),
-    *(f"{m}_75" for m in _ALL),
+    *(f"{m}_75" for m in _ALL if m != "reap_en_comp"),
 )
 FITS = (
     "reap_en_fit",
     "reap_en_zh_code_fit",
+    "reap_en_comp",
     "reap_en_zh_code_comp",
     "reap_en_fit_75",
     "reap_en_zh_code_fit_75",

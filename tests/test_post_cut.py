@@ -148,6 +148,10 @@ def test_compensation_kept_experts_bit_exact_and_reload_equal(tmp_path, tokenize
     report = verify_checkpoint(dst, source=src)
     assert report.ok, report.summary()
     assert sorted(report.info["differs_from_source"]) == sorted(fitted)
+    lines = report.info["post_cut_fit"]
+    assert [line.split(":")[0] for line in lines] == ["router", "dense"]
+    for line, c in zip(lines, record["components"], strict=True):
+        assert ("kept;" in line) == c["kept"] and f"{c['kl_after']:.5g}" in line
 
     ids = sample_input_ids(128, batch=1, seq=12, seed=2)
     with torch.no_grad():

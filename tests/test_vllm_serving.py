@@ -232,27 +232,35 @@ def test_reap_verify_vllm_cli_on_mixtral(vllm_python, tmp_path):
 
 
 def test_modifier_output_serves_with_transformers_tokens(vllm_python, tokenizer, tmp_path):
-    """Qwen3-MoE pruned by REAP calibration with its routers fitted after the cut
-    (``calibrate_router``), through ``oneshot(output_dir=...)``: the reloaded checkpoint's logits
-    equal the in-memory fitted model's, and vLLM serves it with transformers' tokens."""
+    """GLM-4-MoE (grouped sigmoid router with a score-correction bias, one shared expert)
+    pruned by REAP calibration, then its routers fitted and its shared experts compensated
+    after the cut (``calibrate_router`` + ``compensate``), through
+    ``oneshot(output_dir=...)``: the reloaded checkpoint's logits equal the in-memory
+    model's, and vLLM serves it with transformers' tokens."""
     from conftest import calibration_samples, make_dataset
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM
 
     from reap_modifier import REAPPruningModifier
 
-    src, _, _ = _build_bf16("qwen3_moe", tmp_path / "src")
+    src, _, _ = _build_bf16("glm4_moe", tmp_path / "src")
     model = AutoModelForCausalLM.from_pretrained(src)
     modifier = REAPPruningModifier(
-        num_experts_to_keep=4, calibrate_router=True, router_fit_tokens=512, router_fit_steps=20
+        num_experts_to_keep=8,
+        calibrate_router=True,
+        compensate=True,
+        validate_fit=False,  # every component kept: the served model has all of them
+        router_fit_tokens=512,
+        router_fit_steps=20,
+        compensation_steps=20,
     )
     dst = tmp_path / "pruned"
     oneshot(model=model, recipe=[modifier], processor=tokenizer,
             dataset=make_dataset(calibration_samples(128, n=6, seed=3)),
             num_calibration_samples=6, output_dir=str(dst))  # fmt: skip
-    assert json.loads((dst / "config.json").read_text())["num_local_experts"] == 4
-    fitted = [layer for layer, r in modifier.router_fit["layers"].items() if r["best_step"] > 0]
-    assert fitted, "no router moved"
+    assert json.loads((dst / "config.json").read_text())["n_routed_experts"] == 8
+    names = {n for layer in modifier._fitted_tensors.values() for n in layer}
+    assert any(n.startswith("shared_experts.") for n in names), names
     ids = torch.tensor([[5, 17, 99, 3, 42, 8, 77, 1]])
     reloaded = AutoModelForCausalLM.from_pretrained(dst).eval()
     with torch.no_grad():

@@ -42,7 +42,12 @@ from .moe_blocks import MODULE_EXPERT_RE, check_block, left_behind_in, scan_moe_
 from .quantization import check_packed_scales, quant_configs
 from .range_hashes import hash_ranges, progress_bar
 from .verify_files import load_structure
-from .verify_manifest import check_manifest_or_report, read_manifest, recorded_cuts
+from .verify_manifest import (
+    check_manifest_or_report,
+    post_cut_lines,
+    read_manifest,
+    recorded_cuts,
+)
 from .verify_report import VerifyError, VerifyReport
 from .verify_source import compare_with_source
 
@@ -93,6 +98,7 @@ def verify_checkpoint(
         block_kept, out_hashes_expected = check_manifest_or_report(
             manifest, report, blocks, E, shards
         )
+        report.info["post_cut_fit"] = post_cut_lines(manifest)
     _check_whole(blocks, entries, manifest, report)
     dst_tensor_sha = _hash_output_shards(shards, out_hashes_expected, source, report, progress)
     if source is not None and block_kept is not None:

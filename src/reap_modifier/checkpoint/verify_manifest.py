@@ -128,3 +128,24 @@ def _check_manifest(
                 out_hashes_expected[shard] = (kind, info[kind])
                 break
     return block_kept
+
+
+def post_cut_lines(manifest: dict) -> list[str]:
+    """One line per post-cut component the manifest records (``router_fit.components``):
+    kept or dropped, the held-out KL before and after, the tensors it changed."""
+    fit = manifest.get("router_fit") if isinstance(manifest, dict) else None
+    components = fit.get("components") if isinstance(fit, dict) else None
+    lines = []
+    for c in components if isinstance(components, list) else []:
+        if not isinstance(c, dict):
+            continue
+        before, after = c.get("kl_before"), c.get("kl_after")
+        kl = (
+            f"held-out KL {before:.5g} -> {after:.5g}"
+            if isinstance(before, int | float) and isinstance(after, int | float)
+            else "not validated"
+        )
+        status = "kept" if c.get("kept") else "dropped (no better than without it)"
+        tensors = ", ".join(c.get("tensors") or []) or "none"
+        lines.append(f"{c.get('name')}: {status}; {kl}; tensors per layer: {tensors}")
+    return lines

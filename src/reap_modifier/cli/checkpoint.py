@@ -158,6 +158,8 @@ def _verify(dst: Path, source: Path | None, quiet: bool) -> None:
     )
     for name, why in sorted((info.get("differs_from_source") or {}).items()):
         typer.echo(f"  {name}: differs from the source: {why} (recorded in the manifest)")
+    for line in info.get("post_cut_fit") or []:
+        typer.echo(f"  post-cut fit: {line}")
 
 
 def register(app: typer.Typer) -> None:

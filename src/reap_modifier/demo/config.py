@@ -98,6 +98,10 @@ METHODS: tuple[Method, ...] = (
         "en+zh+code", role="fit", fit_of="reap_en_zh_code", skip_sparsities=_NOT_AT_25,
     ),
     Method(
+        "reap_en_comp", "REAP(en) + compensation", "calibrated", "reap", "B", "en",
+        role="fit", fit_of="reap_en", fit=("router", "dense"), skip_sparsities=(0.25, 0.75),
+    ),
+    Method(
         "reap_en_zh_code_comp", "REAP(en+zh+code) + compensation", "calibrated", "reap", "D",
         "en+zh+code", role="fit", fit_of="reap_en_zh_code", fit=("router", "dense"),
         skip_sparsities=_NOT_AT_25,
