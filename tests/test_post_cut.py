@@ -186,3 +186,26 @@ def test_compensation_needs_a_shared_expert(tmp_path, tokenizer):
     modifier = REAPPruningModifier(sparsity=0.5, compensate=True)
     with pytest.raises(ValueError, match="no shared expert or latent projection"):
         _oneshot(model, modifier, tokenizer)
+
+
+def test_spilled_capture_gives_the_same_fit(tmp_path, tokenizer):
+    """``fit_spill_dir``: the captured rows go to disk and come back the same, so the fit is
+    the in-memory fit, tensor for tensor; the spill files are gone afterwards."""
+    fixture = build_mxfp4_checkpoint("kimi_k3", tmp_path / "src", grouped=True)
+    fitted = []
+    for spill in (None, tmp_path / "spill"):
+        model = reload_class("kimi_k3").from_pretrained(fixture.path)
+        modifier = REAPPruningModifier(
+            sparsity=0.5,
+            calibrate_router=True,
+            router_fit_steps=10,
+            validate_fit=False,
+            **({"fit_spill_dir": str(spill)} if spill else {}),
+        )
+        _oneshot(model, modifier, tokenizer)
+        fitted.append(modifier._fitted_tensors)
+    assert fitted[0].keys() == fitted[1].keys() and fitted[0]
+    for layer, named in fitted[0].items():
+        for name, tensor in named.items():
+            assert torch.equal(tensor, fitted[1][layer][name]), (layer, name)
+    assert not any(p.is_file() for p in (tmp_path / "spill").rglob("*"))
