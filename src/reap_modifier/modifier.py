@@ -10,8 +10,6 @@ keeps upstream's experts. Scores, plans, manifests, other saliency criteria,
 
 from __future__ import annotations
 
-import weakref
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -21,35 +19,31 @@ from llmcompressor.modifiers.factory import ModifierFactory
 from loguru import logger
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from . import compat, registries
+from . import compat, recipe_rules, registries
 from .calibration import distributed
 from .calibration.block_io import BlockIOCapture
-from .calibration.checkpointing import CalibrationCheckpoint, calibration_identity
-from .calibration.decompress_hook import decompress_loaded_model
+from .calibration.checkpointing import CalibrationCheckpoint
 from .calibration.observer import SaliencyObserver
 from .calibration.packed import (
     PackedCompute,
     check_checkpoint_formats,
-    check_module_formats,
     compressed_modules,
 )
 from .calibration.progress import LayerProgress
 from .calibration.routed_only import calibrate_all_experts, set_calibrate_all_experts
-from .checkpoint.compressed_save import compressed_source, route_save_through_rewriter
-from .checkpoint.manifest import build_manifest, tool_versions
+from .calibration_setup import CalibrationSetup
 from .checkpoint.saved_config import fix_saved_expert_counts
-from .fileio import sha256_file, write_json_atomic
+from .decision import CutDecision
 from .layerwise import LayerwiseCut
 from .models import MoEArchitecture, find_moe_architecture
 from .models.loading import register_kimi_auto_classes
-from .models.refusals import check_prunable, check_traced
+from .models.refusals import check_prunable
+from .outputs import ModifierOutputs
 from .post_cut import COMPONENTS, FitSettings, PostCutFit, check_post_cut_request
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
-from .scores.baselines import baseline_saliency, baseline_scores, layer_number, model_fingerprint
-from .scores.belongs import ModelFacts, check_scores_belong, routed_counts
-from .scores.keep_count import KeepCount, PlanError, check_keep_spec, compute_keep_count
-from .scores.plan import PruningPlan, check_propagated_cut, cut_plan
-from .surgery import apply_plan, check_plan_fits, update_config_counts
+from .scores.keep_count import KeepCount, PlanError, compute_keep_count
+from .scores.plan import PruningPlan
+from .surgery import apply_plan, check_plan_fits
 from .wholeness import check_whole
 
 __all__ = ["REAPPruningModifier", "recipe_keeps_experts_packed"]
@@ -59,7 +53,7 @@ compat.install()
 SaliencyName = Literal[SALIENCY_NAMES]  # calibrated statistics + weight baselines
 
 
-class REAPPruningModifier(Modifier):
+class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifier):
     """
     Prune whole routed experts of every MoE layer by REAP saliency
 
@@ -70,6 +64,30 @@ class REAPPruningModifier(Modifier):
     all calibration batches; on calibration end every layer is cut at the same keep
     count and the model is pruned in memory (experts, router rows, score-correction
     bias, config counts).
+
+    Lifecycle:
+
+    - (construction)
+        - refuse a bad recipe before any model work (rules: recipe_rules.py)
+    - on_initialize
+        - find the MoE layers, refuse what cannot be pruned exactly or fitted, compute
+          the keep count
+        - keep compressed experts packed or decompress the model (calibration_setup.py)
+        - ``plan_in``, ``scores_in`` or a weight baseline: cut now (decision.py)
+        - else make the observer (and the resumable checkpoint, the per-layer cut of
+          ``propagate_pruned``) and check the sequential trace reaches every MoE block
+    - on_calibration_start
+        - attach the saliency observer (and the post-cut fits' block capture); turn
+          ``moe_calibrate_all_experts`` off when REAP calibrates alone
+    - on_sequential_epoch_end
+        - report progress; ``propagate_pruned``: cut the layers just calibrated
+    - on_calibration_end
+        - remove hooks, restore the flag; reduce the statistics over ranks, decide and
+          cut every layer (decision.py), write report, scores and manifest
+          (outputs.py); run the post-cut fits (post_cut.py)
+    - on_finalize
+        - the same cut and fits if calibration never ended, then choose the save path
+          (outputs.py) and release the process group
 
     :param sparsity: fraction of experts to drop per layer, in (0, 1)
     :param num_experts_to_keep: experts to keep per layer (instead of ``sparsity``)
@@ -190,106 +208,36 @@ class REAPPruningModifier(Modifier):
     #: the model whose sequential trace must reach every MoE block (a weak reference)
     _traced_model: object | None = PrivateAttr(default=None)
 
-    # -- validation (before any model work) -----------------------------------------
+    # -- validation (before any model work; the rules: recipe_rules.py) ----------------
 
     @field_validator("sparsity")
     @classmethod
     def _check_sparsity(cls, v: float | None) -> float | None:
-        if v is not None and not 0.0 < v < 1.0:
-            raise ValueError(f"sparsity must be in (0, 1), got {v}")
-        return v
+        return recipe_rules.check_sparsity(v)
 
     @field_validator("num_experts_to_keep", "divisible_by")
     @classmethod
     def _check_positive(cls, v: int | None, info) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError(f"{info.field_name} must be >= 1, got {v}")
-        return v
+        return recipe_rules.check_positive(v, info.field_name)
 
     @field_validator("report_path", "manifest_path")
     @classmethod
     def _check_json(cls, v: str | None, info) -> str | None:
-        if v is not None and not str(v).endswith(".json"):
-            raise ValueError(f"{info.field_name} must end with .json, got {v}")
-        return v
+        return recipe_rules.check_json_suffix(v, info.field_name)
 
     @field_validator("scores_path")
     @classmethod
     def _check_scores_suffix(cls, v: str | None) -> str | None:
-        if v is not None and not str(v).endswith(".safetensors"):
-            raise ValueError(f"scores_path must end with .safetensors, got {v}")
-        return v
+        return recipe_rules.check_scores_suffix(v)
 
     @field_validator("scores_in", "plan_in")
     @classmethod
     def _check_input_exists(cls, v: str | None, info) -> str | None:
-        if v is not None and not Path(v).is_file():
-            raise ValueError(f"{info.field_name} {v!r} does not exist")
-        return v
+        return recipe_rules.check_input_exists(v, info.field_name)
 
     @model_validator(mode="after")
     def _check_keep_spec(self) -> REAPPruningModifier:
-        if self.plan_in is not None:
-            given = [
-                name
-                for name in ("sparsity", "num_experts_to_keep", "divisible_by", "scores_in")
-                if getattr(self, name) is not None
-            ]
-            if given:
-                raise ValueError(f"plan_in fixes the kept experts; remove {', '.join(given)}")
-        else:
-            check_keep_spec(
-                self.num_experts_to_keep, self.sparsity, "`num_experts_to_keep`", "`sparsity`"
-            )
-        if self.scores_in is not None and self.saliency in BASELINE_METHODS:
-            raise ValueError(
-                f"saliency {self.saliency!r} is computed from router weights; drop "
-                "scores_in or choose a calibrated saliency"
-            )
-        if (
-            not self.calibrates
-            and self.scores_path is not None
-            and self.saliency not in BASELINE_METHODS
-        ):
-            raise ValueError(
-                "scores_path writes calibration statistics, but with scores_in/plan_in "
-                "nothing is calibrated; remove scores_path"
-            )
-        if self.propagate_pruned and not self.calibrates:
-            raise ValueError(
-                "propagate_pruned cuts layers during calibration, but with scores_in, "
-                "plan_in or a weight baseline nothing is calibrated; remove propagate_pruned"
-            )
-        fit_only = sorted(
-            f
-            for f in self.model_fields_set
-            if f.startswith("router_fit_") or f in ("validate_fit", "fit_spill_dir")
-        )
-        if fit_only and not self.fits_after_cut:
-            raise ValueError(
-                f"{', '.join(fit_only)} only apply with `calibrate_router`, `calibrate_bias` "
-                "or `compensate`"
-            )
-        unused = sorted(f for f in self.model_fields_set if f.startswith("compensation_"))
-        if unused and not self.compensate:
-            raise ValueError(f"{', '.join(unused)} only apply with `compensate: true`")
-        if self.fits_after_cut and self.propagate_pruned:
-            raise ValueError(
-                f"{self._fit_fields()} fit(s) each block against the unpruned block, which "
-                "propagate_pruned never sees after the first layer; use one of the two"
-            )
-        if self.checkpoint_dir is not None:
-            clash = (
-                "nothing is calibrated (scores_in, plan_in or a weight baseline)"
-                if not self.calibrates
-                else "propagate_pruned cuts layers during calibration"
-                if self.propagate_pruned
-                else f"{self._fit_fields()} hold(s) every layer's inputs until the end"
-                if self.fits_after_cut
-                else None
-            )
-            if clash:
-                raise ValueError(f"checkpoint_dir cannot resume this run: {clash}; remove one")
+        recipe_rules.check_recipe(self)
         self.requires_calibration_data = self.calibrates or self.fits_after_cut
         return self
 
@@ -299,16 +247,7 @@ class REAPPruningModifier(Modifier):
         return self.calibrate_router or self.calibrate_bias or self.compensate
 
     def _fit_fields(self) -> str:
-        on = [
-            f
-            for f, v in (
-                ("calibrate_router", self.calibrate_router),
-                ("calibrate_bias", self.calibrate_bias),
-                ("compensate", self.compensate),
-            )
-            if v
-        ]
-        return " / ".join(on)
+        return recipe_rules.fit_fields(self)
 
     @property
     def calibrates(self) -> bool:
@@ -377,63 +316,6 @@ class REAPPruningModifier(Modifier):
                 )
         return True
 
-    def _check_trace_of(self, model: torch.nn.Module) -> None:
-        """Refuse, after the sequential pipeline traces ``model`` and before its first
-        calibration batch, a trace whose subgraphs never call some MoE block."""
-        self._traced_model = weakref.ref(model)
-        registries.add_traced_subgraphs_listener(self._on_traced)
-
-    def _on_traced(
-        self, model: torch.nn.Module, subgraphs: list[set[int]] | None, error: Exception | None
-    ) -> None:
-        ref = self._traced_model
-        if ref is None or ref() is not model:  # another oneshot's model
-            return
-        check_traced(model, self._arch, subgraphs, error)
-        if self._progress is not None and subgraphs:
-            self._progress.total = len(subgraphs)
-
-    def _open_checkpoint(self, model: torch.nn.Module) -> None:
-        """``checkpoint_dir``: refuse another model, recipe or world size now; the
-        sequential pipeline reports to it (resume and saves: calibration/checkpointing.py)."""
-        others = self._other_modifiers()
-        if others:
-            raise ValueError(
-                f"checkpoint_dir resumes REAP's statistics only, but the recipe also runs "
-                f"{', '.join(others)}; run REAP in a recipe of its own or remove checkpoint_dir"
-            )
-        recipe = {k: getattr(self, k) for k in ("ignore", "calibration_source", "dequantize")}
-        identity = calibration_identity(
-            model, self._arch, self._fingerprint(), recipe, distributed.world_size()
-        )
-        self._checkpoint = CalibrationCheckpoint(
-            self.checkpoint_dir, identity, self._observer.accumulators, self._cpu_group
-        )
-        registries.set_sequential_checkpoint(model, self._checkpoint)
-
-    def _prepare_weights(self, model: torch.nn.Module) -> None:
-        """Compressed-tensors experts: keep them packed (calibration dequantizes one
-        MoE layer or expert at a time) or decompress the whole model (``dequantize:
-        model``, or another modifier in the recipe), before any pruning or calibration.
-
-        :raises PackedFormatError: a compressed module's format has no decompressor
-        """
-        packed = compressed_modules(model)
-        if not packed:
-            return
-        check_module_formats(packed)  # a format nothing can compute: refuse now
-        others = self._other_modifiers()
-        if self.dequantize == "model" or others:
-            why = f"the recipe also runs {', '.join(others)}" if others else "dequantize: model"
-            logger.info(f"REAP: decompressing the whole model before calibration ({why})")
-            decompress_loaded_model(model)
-            return
-        if not (self.calibrates or self.fits_after_cut):
-            logger.info("REAP: pruning without calibration: compressed experts stay packed")
-            return
-        self._packed = PackedCompute(model, self.dequantize)
-        self._packed.attach()
-
     def _other_modifiers(self) -> list[str]:
         from llmcompressor.core import active_session
 
@@ -443,32 +325,6 @@ class REAPPruningModifier(Modifier):
             for m in (recipe.modifiers if recipe is not None else [])
             if not isinstance(m, REAPPruningModifier)
         ]
-
-    def _other_calibrating_modifiers(self) -> list[str]:
-        """Other modifiers of this calibration that need data (the independent
-        pipeline, oneshot's default, calibrates each modifier on its own)."""
-        from llmcompressor.core import active_session
-
-        recipe = active_session().lifecycle.recipe
-        return [
-            type(m).__name__
-            for m in (recipe.modifiers if recipe is not None else [])
-            if m is not self and getattr(m, "requires_calibration_data", False)
-        ]
-
-    def _restore_calibrate_all_flag(self) -> None:
-        if self._restore_calibrate_all is not None:
-            set_calibrate_all_experts(self._restore_calibrate_all)
-            self._restore_calibrate_all = None
-
-    def _release_packed(self) -> None:
-        if self._packed is not None:
-            self._packed.detach()
-
-    def _make_output_dirs(self) -> None:
-        for path in (self.report_path, self.scores_path, self.manifest_path):
-            if path is not None:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
 
     def on_calibration_start(self, state: State, event: Event, **kwargs) -> None:
         if self._capture is not None:
@@ -541,153 +397,7 @@ class REAPPruningModifier(Modifier):
             self._cpu_group = None
         return True
 
-    # -- decision ------------------------------------------------------------------------
-
-    def _decide_and_prune(self, model: torch.nn.Module) -> None:
-        self._observer.reset_pending()
-        layerwise = self._layerwise
-        # what each rank observed, recorded so that drops or double counts show
-        local = (layerwise.local_counts if layerwise else None) or self._observer.local_counts()
-        per_rank = distributed.gather_counts(local, self._cpu_group)
-        if layerwise is None:
-            # data parallel: every rank holds the global sums before any decision
-            distributed.reduce_accumulators(self._observer.accumulators, self._cpu_group)
-        else:  # layers no epoch cut (reduced as they are cut)
-            done = layerwise.cut_layers
-            layerwise.cut(model, [n for n in self._arch.layer_names if n not in done])
-        scores = self._observer.to_scores(
-            self.calibration_source,
-            metadata={
-                "kind": "calibration",
-                "model_fingerprint": self._source_fingerprint or self._fingerprint(),
-                "model_name_or_path": str(getattr(model, "name_or_path", "") or ""),
-                "calibration": {
-                    "source": self.calibration_source,
-                    "world_size": distributed.world_size(),
-                    "samples": sum(r["samples"] for r in per_rank),
-                    "tokens": sum(r["tokens"] for r in per_rank),
-                    "padding_skipped": sum(r["padding"] for r in per_rank),
-                    "ranks": per_rank,
-                    "moe_calibrate_all_experts": self._calibrate_all,
-                },
-                "versions": tool_versions(),
-                "propagate_pruned": layerwise.record() if layerwise else None,
-            },
-        )
-        self._scores = scores
-        if scores.total_tokens() == 0:
-            raise RuntimeError(self._no_tokens_message(model))
-        if self.scores_path is not None and distributed.is_source_process():
-            scores.save(self.scores_path)
-            logger.info(f"REAP: wrote scores to {self.scores_path}")
-        if layerwise is not None:
-            self._finish_layerwise(model, layerwise)
-            return
-        counts = {name: stats["count"] for name, stats in scores.layers.items()}
-        self._cut(model, scores.saliency(self.saliency), counts)
-
-    def _finish_layerwise(self, model: torch.nn.Module, layerwise: LayerwiseCut) -> None:
-        """Every layer is pruned: join the pieces, update the config counts, write."""
-        plan = layerwise.plan()
-        plan.params.update(self._plan_params())  # with the observed token counts
-        arch = self._arch
-        update_config_counts(arch.config, arch.count_keys, plan.num_kept)
-        arch.num_experts = plan.num_kept
-        self._plan = plan
-        self._check_whole(model, plan)
-        if layerwise.record() is None:
-            logger.info(
-                "REAP: propagate_pruned: the whole model was one calibration epoch (basic "
-                "pipeline), so every layer was observed on the unpruned model"
-            )
-        logger.info(
-            f"REAP: pruned {len(arch.layers)} MoE layers to {plan.num_kept} of "
-            f"{plan.num_experts} experts, each as its calibration epoch ended"
-        )
-        if distributed.is_source_process():
-            self._write_outputs(plan)
-
-    def _no_tokens_message(self, model: torch.nn.Module) -> str:
-        """Why no token reached the MoE blocks: no data, or a pipeline that never called them."""
-        batches = self._observer.pipeline_batches if self._observer is not None else 0
-        if batches:
-            family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-            return (
-                f"REAP observed no tokens although the sequential pipeline cached {batches} "
-                f"calibration batches: it never called the MoE blocks of {family} "
-                f"({type(model).__name__}; its traced layers are not the ones holding the "
-                'experts). Run oneshot with pipeline="basic".'
-            )
-        return (
-            "REAP observed no tokens: no calibration data reached the MoE layers. "
-            "Pass a dataset to oneshot (num_calibration_samples > 0)."
-        )
-
-    def _load_scores_in(self) -> ExpertScores:
-        """Read ``scores_in`` and check it belongs to this model (before any change)."""
-        arch = self._arch
-        scores = ExpertScores.load(self.scores_in)
-        facts = ModelFacts(
-            num_experts=arch.num_experts,
-            layers=tuple(arch.layer_names),
-            top_k=arch.top_k,
-            n_group=arch.n_group,
-            topk_group=arch.topk_group,
-            fingerprint=self._fingerprint,
-        )
-        check_scores_belong(scores, facts, f"scores_in {self.scores_in}")
-        scores.saliency(self.saliency)  # the criterion exists in this file
-        propagated = scores.metadata.get("propagate_pruned")
-        if propagated:
-            try:
-                check_propagated_cut(propagated, self._keep.keep, self.saliency)
-            except PlanError as exc:
-                raise PlanError(f"scores_in {self.scores_in}: {exc}") from exc
-        return scores
-
-    def _cut_from_file(self, model: torch.nn.Module, scores: ExpertScores) -> None:
-        """``scores_in``: the same cut, from statistics computed elsewhere."""
-        self._scores = scores
-        propagated = scores.metadata.get("propagate_pruned")
-        self._cut(model, scores.saliency(self.saliency), routed_counts(scores), propagated)
-
-    def _cut_from_weights(self, model: torch.nn.Module) -> None:
-        """Calibration-free baselines from the router weights alone."""
-        weights = self._router_weights()
-        saliency = baseline_saliency(self.saliency, weights, seed=self.seed)
-        if self.scores_path is not None and distributed.is_source_process():
-            baseline_scores(self.saliency, weights, seed=self.seed).save(self.scores_path)
-        self._cut(model, saliency, None)
-
-    def _cut(
-        self,
-        model: torch.nn.Module,
-        saliency: dict[str, torch.Tensor],
-        counts: dict[str, torch.Tensor] | None,
-        propagated: dict | None = None,
-    ) -> None:
-        arch = self._arch
-        plan = cut_plan(saliency, counts, log=False, propagated=propagated, **self._cut_args())
-        # identical on every rank by construction; rank 0's ids are broadcast anyway
-        plan.kept = distributed.broadcast_kept(
-            plan.kept, arch.layer_names, self._keep.keep, self._cpu_group
-        )
-        self._apply(model, plan)
-
-    def _cut_args(self) -> dict:
-        """Keyword arguments of :func:`cut_plan` for this recipe (its count is logged
-        by ``on_initialize``)."""
-        arch = self._arch
-        return {
-            "num_experts": arch.num_experts,
-            "top_k": arch.top_k,
-            "groups": (arch.n_group, arch.topk_group),
-            "sparsity": self.sparsity,
-            "keep": self.num_experts_to_keep,
-            "divisible_by": self.divisible_by,
-            "criterion": self.saliency,
-            "params": self._plan_params(),
-        }
+    # -- the cut (deciding what to keep: decision.py) --------------------------------
 
     def _apply(self, model: torch.nn.Module, plan: PruningPlan) -> None:
         if self._capture is not None:
@@ -712,62 +422,6 @@ class REAPPruningModifier(Modifier):
             run_forward=not compressed_modules(model),
             block_inputs=observer.block_inputs if observer is not None else None,
         )
-
-    def _router_weights(self, layers=None) -> dict[str, torch.Tensor]:
-        from compressed_tensors import align_module_device
-
-        weights = {}
-        for layer in layers if layers is not None else self._arch.layers:
-            with align_module_device(layer.router):
-                weights[layer.name] = layer.router_weight().detach().to("cpu").clone()
-        return weights
-
-    def _fingerprint(self) -> str:
-        # model_fingerprint hashes only the lowest-numbered MoE layer's router: copy
-        # just that one (all routers of a K3 are ~2.4 GB in float32)
-        first = min(self._arch.layers, key=lambda layer: (layer_number(layer.name), layer.name))
-        return model_fingerprint(self._router_weights([first]))
-
-    def _choose_save_path(self, model: torch.nn.Module) -> None:
-        """Bit-exact rewrite of a compressed source when only REAP ran, else the
-        regular save (with linearized experts repacked so every family reloads)."""
-        source = compressed_source(model)
-        if source is not None and self._plan is not None:
-            others = self._other_modifiers()
-            fit = (self._router_fit, self._fitted_tensors) if self._router_fit else None
-            if route_save_through_rewriter(
-                model, self._plan, source, other_modifiers=others, router_fit=fit
-            ):
-                return
-        registries.run_save_fixups(model)  # e.g. linearized experts repacked (compat)
-
-    def _plan_params(self) -> dict:
-        return {
-            "calibration_source": self.calibration_source if self.calibrates else None,
-            "scores_in": self.scores_in,
-            "seed": self.seed if self.saliency == "random" else None,
-            "tokens": self._scores.metadata.get("tokens") if self._scores else None,
-            "propagate_pruned": self.propagate_pruned,
-        }
-
-    def _write_outputs(self, plan: PruningPlan) -> None:
-        if self.report_path is not None:
-            write_json_atomic(self.report_path, plan.kept)
-        if self.manifest_path is not None:
-            scores_file = self.scores_in or self.scores_path
-            scores_ref = None
-            if scores_file is not None and Path(scores_file).is_file():
-                scores_ref = {"path": str(scores_file), "sha256": sha256_file(scores_file)}
-            source = "plan " + str(self.plan_in) if self.plan_in else f"saliency {plan.saliency}"
-            manifest = build_manifest(
-                plan,
-                method=f"REAP modifier, in-memory surgery ({source})",
-                model_class=self._arch.model_class,
-                count_key=self._arch.count_keys[0],
-                scores=scores_ref,
-                extra={"router_fit": self._router_fit} if self._router_fit else None,
-            )
-            write_json_atomic(self.manifest_path, manifest)
 
     # -- router calibration ------------------------------------------------------------
 

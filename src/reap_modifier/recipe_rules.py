@@ -1,0 +1,146 @@
+"""The rules a ``REAPPruningModifier`` recipe must follow, checked before any model work.
+
+Each field rule is one function the modifier's pydantic validators call; ``check_recipe``
+holds the rules between fields (which inputs exclude which, which options need which).
+Every refusal is a ``ValueError`` whose message says what to change (pydantic reports it
+as the recipe's validation error).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from .scores import BASELINE_METHODS
+from .scores.keep_count import check_keep_spec
+
+__all__ = [
+    "check_input_exists",
+    "check_json_suffix",
+    "check_positive",
+    "check_recipe",
+    "check_scores_suffix",
+    "check_sparsity",
+    "fit_fields",
+]
+
+
+def check_sparsity(v: float | None) -> float | None:
+    if v is not None and not 0.0 < v < 1.0:
+        raise ValueError(f"sparsity must be in (0, 1), got {v}")
+    return v
+
+
+def check_positive(v: int | None, field: str) -> int | None:
+    if v is not None and v < 1:
+        raise ValueError(f"{field} must be >= 1, got {v}")
+    return v
+
+
+def check_json_suffix(v: str | None, field: str) -> str | None:
+    if v is not None and not str(v).endswith(".json"):
+        raise ValueError(f"{field} must end with .json, got {v}")
+    return v
+
+
+def check_scores_suffix(v: str | None) -> str | None:
+    if v is not None and not str(v).endswith(".safetensors"):
+        raise ValueError(f"scores_path must end with .safetensors, got {v}")
+    return v
+
+
+def check_input_exists(v: str | None, field: str) -> str | None:
+    if v is not None and not Path(v).is_file():
+        raise ValueError(f"{field} {v!r} does not exist")
+    return v
+
+
+def fit_fields(recipe: BaseModel) -> str:
+    """The post-cut fit fields ``recipe`` turns on, as a recipe names them."""
+    on = [
+        f
+        for f, v in (
+            ("calibrate_router", recipe.calibrate_router),
+            ("calibrate_bias", recipe.calibrate_bias),
+            ("compensate", recipe.compensate),
+        )
+        if v
+    ]
+    return " / ".join(on)
+
+
+def check_recipe(recipe: BaseModel) -> None:
+    """The rules between fields of ``recipe`` (a ``REAPPruningModifier``): the keep
+    count, inputs that replace calibration, options that need calibration or a fit."""
+    _check_keep_and_inputs(recipe)
+    _check_fit_options(recipe)
+    if recipe.checkpoint_dir is not None:
+        clash = (
+            "nothing is calibrated (scores_in, plan_in or a weight baseline)"
+            if not recipe.calibrates
+            else "propagate_pruned cuts layers during calibration"
+            if recipe.propagate_pruned
+            else f"{fit_fields(recipe)} hold(s) every layer's inputs until the end"
+            if recipe.fits_after_cut
+            else None
+        )
+        if clash:
+            raise ValueError(f"checkpoint_dir cannot resume this run: {clash}; remove one")
+
+
+def _check_keep_and_inputs(recipe: BaseModel) -> None:
+    """One keep count (or ``plan_in`` alone); what needs calibration refused without it."""
+    if recipe.plan_in is not None:
+        given = [
+            name
+            for name in ("sparsity", "num_experts_to_keep", "divisible_by", "scores_in")
+            if getattr(recipe, name) is not None
+        ]
+        if given:
+            raise ValueError(f"plan_in fixes the kept experts; remove {', '.join(given)}")
+    else:
+        check_keep_spec(
+            recipe.num_experts_to_keep, recipe.sparsity, "`num_experts_to_keep`", "`sparsity`"
+        )
+    if recipe.scores_in is not None and recipe.saliency in BASELINE_METHODS:
+        raise ValueError(
+            f"saliency {recipe.saliency!r} is computed from router weights; drop "
+            "scores_in or choose a calibrated saliency"
+        )
+    if (
+        not recipe.calibrates
+        and recipe.scores_path is not None
+        and recipe.saliency not in BASELINE_METHODS
+    ):
+        raise ValueError(
+            "scores_path writes calibration statistics, but with scores_in/plan_in "
+            "nothing is calibrated; remove scores_path"
+        )
+    if recipe.propagate_pruned and not recipe.calibrates:
+        raise ValueError(
+            "propagate_pruned cuts layers during calibration, but with scores_in, "
+            "plan_in or a weight baseline nothing is calibrated; remove propagate_pruned"
+        )
+
+
+def _check_fit_options(recipe: BaseModel) -> None:
+    """The post-cut fits' settings only with a fit, and no fit with ``propagate_pruned``."""
+    fit_only = sorted(
+        f
+        for f in recipe.model_fields_set
+        if f.startswith("router_fit_") or f in ("validate_fit", "fit_spill_dir")
+    )
+    if fit_only and not recipe.fits_after_cut:
+        raise ValueError(
+            f"{', '.join(fit_only)} only apply with `calibrate_router`, `calibrate_bias` "
+            "or `compensate`"
+        )
+    unused = sorted(f for f in recipe.model_fields_set if f.startswith("compensation_"))
+    if unused and not recipe.compensate:
+        raise ValueError(f"{', '.join(unused)} only apply with `compensate: true`")
+    if recipe.fits_after_cut and recipe.propagate_pruned:
+        raise ValueError(
+            f"{fit_fields(recipe)} fit(s) each block against the unpruned block, which "
+            "propagate_pruned never sees after the first layer; use one of the two"
+        )
