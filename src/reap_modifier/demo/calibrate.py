@@ -119,7 +119,7 @@ def check_packed_scores(
 ) -> dict:
     """Calibrate ``part`` again on the fully decompressed model and compare every statistic with the
     packed run's; raises when any differs by more than 1e-6 relative."""
-    from ..calibration.packed import scores_difference
+    from ..scores import scores_difference
     from ..scores import ExpertScores
 
     dense_path = packed_scores.with_name(f"{packed_scores.stem}.dense-check.safetensors")
