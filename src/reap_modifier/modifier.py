@@ -446,6 +446,7 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
                 dense_lr=self.compensation_lr,
                 validate=self.validate_fit,
                 spill_dir=self.fit_spill_dir,
+                batches=_batches(state),
             ),
         )
 
@@ -535,3 +536,11 @@ def _register() -> None:
 
 
 _register()
+
+
+def _batches(state: State) -> int | None:
+    """How many batches the calibration dataloader holds (``None`` when it cannot tell)."""
+    try:
+        return len(state.data.calib)
+    except TypeError:
+        return None

@@ -12,7 +12,8 @@ components before it left it):
             with the router rows (:mod:`reap_modifier.compensation`).
 
 Routed expert tensors are never touched. **Never worse than the cut alone:** every k-th
-calibration batch (k = :data:`HOLDOUT_EVERY_BATCH`) is held out from every fit; the
+calibration batch (k = :data:`HOLDOUT_EVERY_BATCH`, or the number of batches when there
+are fewer) is held out from every fit; the
 unpruned model's next-token distributions on those batches are computed before the cut,
 and after each component the whole model's ``KL(unpruned || pruned)`` on them is measured.
 A component is kept only when it lowers that KL; otherwise its tensors are put back and
@@ -68,6 +69,18 @@ class FitSettings:
     dense_lr: float
     validate: bool = True
     spill_dir: str | None = None
+    #: calibration batches oneshot will run (``None``: unknown)
+    batches: int | None = None
+
+    @property
+    def holdout_every(self) -> int | None:
+        """Every how many calibration batches one is held out (``None``: no validation)."""
+        if not self.validate:
+            return None
+        if self.batches is None:
+            return HOLDOUT_EVERY_BATCH
+        return min(HOLDOUT_EVERY_BATCH, self.batches) if self.batches >= 2 else None
+
     extra: dict = field(default_factory=dict)
 
 
@@ -252,7 +265,7 @@ class PostCutFit:
             register_hook,
             s.tokens,
             model=model,
-            holdout_every=HOLDOUT_EVERY_BATCH if s.validate else None,
+            holdout_every=s.holdout_every,
             spill_dir=s.spill_dir,
         )
         return self.capture
@@ -351,7 +364,7 @@ class PostCutFit:
             "validation": None
             if validation is None
             else {
-                "holdout_every_batch": HOLDOUT_EVERY_BATCH,
+                "holdout_every_batch": s.holdout_every,
                 "batches": len(validation.batches),
                 "tokens": validation.tokens,
                 "kl_cut": kl_cut,

@@ -119,8 +119,7 @@ def check_packed_scores(
 ) -> dict:
     """Calibrate ``part`` again on the fully decompressed model and compare every statistic with the
     packed run's; raises when any differs by more than 1e-6 relative."""
-    from ..scores import scores_difference
-    from ..scores import ExpertScores
+    from ..scores import ExpertScores, scores_difference
 
     dense_path = packed_scores.with_name(f"{packed_scores.stem}.dense-check.safetensors")
     run = calibrate(model_dir, part, lang, dataset, tokenizer, dense_path, cfg, dequantize="model")
