@@ -1,7 +1,8 @@
-"""The main job's report renders byte for byte as it did before the report read typed records:
+"""The main job's report renders byte for byte as recorded:
 ``tests/fixtures/demo_results.json`` is a ``--quick`` run's ``results.json`` (trimmed to what the
 report reads, with a model card), and ``demo_report.md`` / ``demo_tables.md`` are what the
-dict-walking renderer wrote from it. Also: the method table drives the paired differences."""
+renderer wrote from it, reviewed when the report's wording changed (regenerate them only for an
+intended change, and read the diff). Also: the method table drives the paired differences."""
 
 from __future__ import annotations
 

@@ -151,6 +151,16 @@ class RouterFit:
 
     tokens: int
     holdout: tuple[tuple[float, float], ...]
+    #: the post-cut components, each ``"<name> kept"`` or ``"<name> dropped"``
+    components: tuple[str, ...] = ()
+
+    @property
+    def kept(self) -> str:
+        """The kept components, e.g. ``router + dense`` (``none`` when every one was dropped)."""
+        names = [c.split()[0] for c in self.components if c.endswith(" kept")]
+        if not self.components:
+            return "router"
+        return " + ".join(names) or "none"
 
 
 @dataclass(frozen=True)
@@ -301,7 +311,15 @@ def _checkpoint(name: str, r: dict) -> Checkpoint:
         seconds=r["seconds"],
         fit=RouterFit(
             fit["tokens"],
-            tuple((x["holdout_before"], x["holdout_after"]) for x in fit["layers"].values()),
+            tuple(
+                (x["holdout_before"], x["holdout_after"])
+                for x in fit["layers"].values()
+                if "holdout_before" in x
+            ),
+            tuple(
+                f"{c['name']} {'kept' if c['kept'] else 'dropped'}"
+                for c in fit.get("components", [])
+            ),
         )
         if fit
         else None,
