@@ -241,6 +241,7 @@ _ALL = (
     "reap_en_zh_code_fit",
     "reap_en_comp",
     "reap_en_zh_code_comp",
+    "block_error_comp",
 )
 METHODS = (
     *_ALL,  # 50%
@@ -252,9 +253,11 @@ FITS = (
     "reap_en_zh_code_fit",
     "reap_en_comp",
     "reap_en_zh_code_comp",
+    "block_error_comp",
     "reap_en_fit_75",
     "reap_en_zh_code_fit_75",
     "reap_en_zh_code_comp_75",
+    "block_error_comp_75",
 )
 
 
@@ -285,8 +288,16 @@ def test_router_fit_rows(demo_run):
     report = (out / "report.md").read_text()
     assert "## Router calibration after the cut" in report
     for name in FITS:
-        alone = name.replace("_fit", "").replace("_comp", "")
-        assert pr[name]["kept"] == pr[alone]["kept"], name
+        alone = (
+            name.replace("_fit", "").replace("_comp", "").replace("block_error", "reap_en_zh_code")
+        )
+        if "block_error" in name:  # the same keep count, experts re-chosen by block error
+            assert {k: len(v) for k, v in pr[name]["kept"].items()} == {
+                k: len(v) for k, v in pr[alone]["kept"].items()
+            }, name
+            assert pr[name]["router_fit"]["selection"]["method"] == "block_error"
+        else:
+            assert pr[name]["kept"] == pr[alone]["kept"], name
         fit = pr[name]["router_fit"]
         assert fit and fit["tokens"] > 0 and set(fit["layers"]) == set(pr[name]["kept"])
         differs = pr[name]["verify"]["differs_from_source"]

@@ -156,6 +156,7 @@ class CutDecision:
         propagated: dict | None = None,
     ) -> None:
         arch = self._arch
+        self._ranking = saliency  # the candidate order of a block-error selection
         plan = cut_plan(saliency, counts, log=False, propagated=propagated, **self._cut_args())
         # identical on every rank by construction; rank 0's ids are broadcast anyway
         plan.kept = distributed.broadcast_kept(

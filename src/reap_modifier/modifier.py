@@ -39,7 +39,7 @@ from .models import MoEArchitecture, find_moe_architecture
 from .models.loading import register_kimi_auto_classes
 from .models.refusals import check_prunable
 from .outputs import ModifierOutputs
-from .post_cut import COMPONENTS, FitSettings, PostCutFit, check_post_cut_request
+from .post_cut import COMPONENTS, FitSettings, PostCutFit, _attached, check_post_cut_request
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
 from .scores.keep_count import KeepCount, PlanError, compute_keep_count
 from .scores.plan import PruningPlan
@@ -165,6 +165,9 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
     num_experts_to_keep: int | None = None
     divisible_by: int | None = None
     saliency: SaliencyName = "reap"
+    selection: Literal["saliency", "block_error"] = "saliency"
+    selection_candidates: int | None = Field(default=64, ge=1)
+    selection_drops: int = Field(default=1, ge=1)
     ignore: list[str] = Field(default_factory=list)
     report_path: str | None = None
     scores_path: str | None = None
@@ -199,6 +202,7 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
     _source_fingerprint: str | None = PrivateAttr(default=None)
     _restore_calibrate_all: bool | None = PrivateAttr(default=None)
     _post_cut: PostCutFit | None = PrivateAttr(default=None)
+    _ranking: dict | None = PrivateAttr(default=None)
     _capture: BlockIOCapture | None = PrivateAttr(default=None)
     _deferred_plan: PruningPlan | None = PrivateAttr(default=None)
     _router_fit: dict | None = PrivateAttr(default=None)
@@ -243,8 +247,14 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
 
     @property
     def fits_after_cut(self) -> bool:
-        """Whether a post-cut fit runs (router, bias or dense compensation)."""
-        return self.calibrate_router or self.calibrate_bias or self.compensate
+        """Whether the post-cut step runs (a block-error selection, or a fit of the router,
+        the bias or the dense tensors): the cut waits for the blocks' captured inputs."""
+        return (
+            self.calibrate_router
+            or self.calibrate_bias
+            or self.compensate
+            or self.selection == "block_error"
+        )
 
     def _fit_fields(self) -> str:
         return recipe_rules.fit_fields(self)
@@ -467,11 +477,24 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
             packed.attach()
             return packed
 
-        post_cut.run(model, lambda: self._apply(model, plan), overlay)
+        def apply_cut(rows) -> None:
+            chosen = plan
+            if self.selection == "block_error":
+                with _attached(overlay()):
+                    chosen = post_cut.select(
+                        plan,
+                        self._ranking or {},
+                        rows,
+                        candidates=self.selection_candidates,
+                        drops=self.selection_drops,
+                    )
+            self._apply(model, chosen)
+
+        post_cut.run(model, apply_cut, overlay)
         self._router_fit = post_cut.record
         self._fitted_tensors = post_cut.tensors
         if distributed.is_source_process():
-            self._write_outputs(plan)  # the manifest records the fit
+            self._write_outputs(self._plan)  # the manifest records the fit
 
     @property
     def router_fit(self) -> dict | None:

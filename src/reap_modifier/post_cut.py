@@ -40,6 +40,7 @@ from .router_fit import (
     router_fit_problem,
     router_params,
 )
+from .scores.plan import PruningPlan
 
 __all__ = [
     "COMPONENTS",
@@ -256,6 +257,7 @@ class PostCutFit:
         self.settings = settings
         self.capture: BlockIOCapture | None = None
         self.record: dict | None = None
+        self.selection: dict | None = None
         self.tensors: dict[str, dict[str, torch.Tensor]] = {}
 
     def make_capture(self, register_hook, model: torch.nn.Module) -> BlockIOCapture:
@@ -273,10 +275,12 @@ class PostCutFit:
     def run(
         self,
         model: torch.nn.Module,
-        apply_cut: Callable[[], None],
+        apply_cut: Callable[[dict], None],
         overlay: Callable[[], object | None],
     ) -> None:
-        """Cut (``apply_cut``), then fit and validate each component.
+        """Cut (``apply_cut``, given each layer's captured ``(inputs, outputs)``, so that a
+        block-error selection can choose the kept experts first), then fit and validate
+        each component.
 
         :param overlay: makes a packed model computable for the duration of a fit
             (returns an attached object with ``detach``, or ``None``)
@@ -291,6 +295,17 @@ class PostCutFit:
                 f"the post-cut fit captured no calibration tokens for {empty[0]}: no "
                 "calibration data reached the MoE layers (num_calibration_samples > 0)"
             )
+        if not s.components:
+            rows = {n: capture.take(n) for n in self.arch.layer_names}
+            apply_cut(rows)
+            self.record = {
+                "method": None,
+                "tokens": s.tokens,
+                "components": [],
+                "selection": self.selection,
+                "layers": {},
+            }
+            return
         logger.warning(
             "REAP post-cut fit: the fitted tensors follow the calibration text, and the "
             "held-out check uses the same text: a language absent from it can get worse "
@@ -308,8 +323,8 @@ class PostCutFit:
         with _attached(overlay()):
             if validation is not None:
                 validation.record_reference(model)
-        apply_cut()
         rows = {n: capture.take(n) for n in self.arch.layer_names}
+        apply_cut(rows)
         components, layers = [], {n: {} for n in self.arch.layer_names}
         changed: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.arch.layer_names}
         with _attached(overlay()):
@@ -371,9 +386,69 @@ class PostCutFit:
                 "kl_final": kl_now,
             },
             "components": components,
+            "selection": self.selection,
             "layers": {n: rec.get("router", {}) for n, rec in layers.items()},
             "component_layers": layers,
         }
+
+    def select(
+        self,
+        plan: PruningPlan,
+        ranking: dict[str, torch.Tensor],
+        rows: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        *,
+        candidates: int | None,
+        drops: int,
+    ) -> PruningPlan:
+        """``selection: block_error``: the same keep count as ``plan``, the kept experts
+        chosen per layer by greedy elimination on the block's re-routed output error
+        (:mod:`reap_modifier.block_selection`), ``ranking`` (the cut's saliency) ordering
+        the candidates; call on the unpruned model."""
+        from compressed_tensors import align_module_device
+        from tqdm.auto import tqdm
+
+        from .block_selection import select_by_block_error
+
+        keep, kept, records = plan.num_kept, {}, {}
+        for layer in tqdm(self.arch.layers, desc="REAP block-error selection"):
+            x, y = rows[layer.name]
+            with align_module_device(layer.block):
+                device = layer.router.weight.device
+                ids, record = select_by_block_error(
+                    layer,
+                    x.to(device),
+                    y.to(device),
+                    keep,
+                    ranking=ranking.get(layer.name),
+                    candidates=candidates,
+                    drops_per_step=drops,
+                )
+            kept[layer.name], records[layer.name] = ids, record.to_dict()
+        retained = {}
+        for name, ids in kept.items():
+            sal = ranking.get(name)
+            if sal is not None and float(sal.sum()) > 0:
+                retained[name] = float(sal[ids].sum() / sal.sum())
+        changed = sum(len(set(kept[n]) - set(plan.kept[n])) for n in kept)
+        logger.info(
+            f"REAP block-error selection: {keep} experts per layer; {changed} of "
+            f"{keep * len(kept)} kept experts differ from {plan.saliency}'s cut"
+        )
+        self.selection = {
+            "method": "block_error",
+            "candidate_order": plan.saliency,
+            "candidates": candidates,
+            "drops_per_step": drops,
+            "differs_from_ranking": changed,
+            "layers": records,
+        }
+        return PruningPlan(
+            kept=kept,
+            num_experts=plan.num_experts,
+            saliency="block_error",
+            params={**plan.params, "selection": "block_error", "candidate_order": plan.saliency},
+            retained=retained,
+        )
 
     # -- per component ----------------------------------------------------------------
 

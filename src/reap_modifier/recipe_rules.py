@@ -64,6 +64,7 @@ def fit_fields(recipe: BaseModel) -> str:
             ("calibrate_router", recipe.calibrate_router),
             ("calibrate_bias", recipe.calibrate_bias),
             ("compensate", recipe.compensate),
+            ("selection: block_error", recipe.selection == "block_error"),
         )
         if v
     ]
@@ -139,6 +140,11 @@ def _check_fit_options(recipe: BaseModel) -> None:
     unused = sorted(f for f in recipe.model_fields_set if f.startswith("compensation_"))
     if unused and not recipe.compensate:
         raise ValueError(f"{', '.join(unused)} only apply with `compensate: true`")
+    unused = sorted(f for f in recipe.model_fields_set if f.startswith("selection_"))
+    if unused and recipe.selection != "block_error":
+        raise ValueError(f"{', '.join(unused)} only apply with `selection: block_error`")
+    if recipe.selection == "block_error" and recipe.plan_in is not None:
+        raise ValueError("plan_in fixes the kept experts; remove `selection: block_error`")
     if recipe.fits_after_cut and recipe.propagate_pruned:
         raise ValueError(
             f"{fit_fields(recipe)} fit(s) each block against the unpruned block, which "

@@ -61,6 +61,9 @@ class Method:
     #: ``calibrate_bias``, ``dense``: ``compensate``), each kept only where it lowers the KL on
     #: held-out calibration batches
     fit: tuple[str, ...] = ("router",)
+    #: fit: ``"block_error"`` re-chooses the kept experts of ``fit_of``'s keep count by the block's
+    #: re-routed output error before the fit (``selection: block_error``), REAP ordering candidates
+    selection: str = "saliency"
     #: extra sparsities this method is not pruned at (at the job's sparsity every method is)
     skip_sparsities: tuple[float, ...] = ()
 
@@ -105,6 +108,11 @@ METHODS: tuple[Method, ...] = (
         "reap_en_zh_code_comp", "REAP(en+zh+code) + compensation", "calibrated", "reap", "D",
         "en+zh+code", role="fit", fit_of="reap_en_zh_code", fit=("router", "dense"),
         skip_sparsities=_NOT_AT_25,
+    ),
+    Method(
+        "block_error_comp", "block-error selection + compensation", "calibrated", "reap", "D",
+        "en+zh+code", role="fit", fit_of="reap_en_zh_code", fit=("router", "dense"),
+        selection="block_error", skip_sparsities=_NOT_AT_25,
     ),
 )  # fmt: skip
 #: the method every other is compared against (paired differences, overlap, the report's losses)

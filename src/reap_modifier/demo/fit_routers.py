@@ -33,10 +33,12 @@ def fit_sets(cfg: DemoConfig, inputs: Inputs) -> dict[str, Any]:
 
 def fit_router_checkpoint(
     cfg: DemoConfig, m: Method, src_dir: Path, dst: Path, scores_path: Path, plan, inputs: Inputs
-) -> dict:
+) -> tuple[Any, dict]:
     """REAP's cut from ``scores_path`` (the plan the job cut, checked equal), then every kept
-    router fitted on the mix's calibration tokens (``calibrate_router``), saved by ``oneshot``:
-    expert bytes copied from the source, fitted router rows written from memory."""
+    router fitted on the mix's calibration tokens (``calibrate_router``; with ``m.fit`` and
+    ``m.selection`` the other post-cut components), saved by ``oneshot``: expert bytes copied from
+    the source, fitted tensors written from memory. Returns the plan the run cut (``plan`` itself
+    unless a block-error selection re-chose the kept experts) and the fit's record."""
     from llmcompressor import oneshot
 
     from ..modifier import REAPPruningModifier
@@ -51,6 +53,7 @@ def fit_router_checkpoint(
         calibrate_router="router" in m.fit,
         calibrate_bias="bias" in m.fit,
         compensate="dense" in m.fit,
+        selection=m.selection,
         router_fit_tokens=tokens,
         router_fit_steps=cfg.router_fit_steps,
         router_fit_lr=cfg.router_fit_lr,
@@ -74,16 +77,18 @@ def fit_router_checkpoint(
         moe_calibrate_all_experts=False,
     )
     del model
-    if modifier.plan.kept != plan.kept:
+    if m.selection == "saliency" and modifier.plan.kept != plan.kept:
         raise RuntimeError(f"{m.name}: the router-fit run cut a different plan than {m.ranking}'s")
     fit = modifier.router_fit
-    return {
+    return modifier.plan, {
         "tokens": tokens,
         "parts": list(FIT_PARTS[m.calibration]),
         "method": fit.get("method"),
         "steps": cfg.router_fit_steps,
         "lr": cfg.router_fit_lr,
         "components": fit.get("components", []),
+        "selection": {k: v for k, v in (fit.get("selection") or {}).items() if k != "layers"}
+        or None,
         "validation": fit.get("validation"),
         "layers": {
             layer: {k: v for k, v in rec.items() if isinstance(v, int | float)}

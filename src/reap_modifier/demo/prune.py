@@ -105,7 +105,8 @@ def prune_one(
     dst = out / "pruned" / m.name
     fit = None
     if m.router_fit:
-        fit = fit_router_checkpoint(cfg, m, src_dir, dst, spath, plan, inputs)
+        plan, fit = fit_router_checkpoint(cfg, m, src_dir, dst, spath, plan, inputs)
+        plan.save(plan_path)  # a block-error selection re-chose the kept experts
     else:
         prepare_rewrite(
             src_dir,
