@@ -3,7 +3,7 @@ the block's output, and with tiny calibration: cut alone vs router fit vs compen
 
 The bundled model's shared expert is nearly idle (removing every routed expert leaves
 99.8% of the block's output error), so a refit there may overstate what Kimi K3 sees.
-Here a tiny random Kimi K3 (grouped sigmoid router, score-correction bias, latent MoE,
+Here a tiny random Kimi K3 (sigmoid router, score-correction bias, latent MoE,
 one shared expert; tests/tiny_models.py) has its shared expert's output projection
 scaled so that the shared expert carries ``--shared-share`` of the block output's energy
 (measured, printed). REAP calibrates through ``oneshot`` on random token windows, the
@@ -69,7 +69,7 @@ def shared_share(model, ids) -> float:
 def build(seed: int, share: float | None, tokens_probe):
     from reap_modifier.models import find_moe_architecture
 
-    model, info = build_tiny("kimi_k3", seed=seed, grouped=True)
+    model, info = build_tiny("kimi_k3", seed=seed)
     if share is not None:
         # scale the shared expert's output until it carries ~share of the block's energy
         for _ in range(20):
