@@ -107,6 +107,26 @@ def test_evaluator_error_equals_masked_block(variant):
     assert ev.expert_calls > N_TOKENS * (arch.top_k + 2)
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_incremental_drop_errors_equal_full_evaluation(variant):
+    """One step's trials, each re-routing only the tokens the drop can change, equal the
+    full evaluation of every trial set (mid-search: a quarter of the experts gone)."""
+    _, _, arch, layer, x, y = _setup(variant)
+    groups = torch.arange(N_TOKENS) % 3
+    ev = BlockErrorEvaluator(layer, x, y, groups)
+    E, gen = arch.num_experts, torch.Generator().manual_seed(2)
+    n_group = arch.n_group if arch.group_limited else 1
+    kept = torch.zeros(E, dtype=torch.bool)
+    kept[_random_kept(E, 3 * E // 4, n_group, gen)] = True
+    candidates = kept.nonzero().flatten()
+    trial = kept[None].repeat(candidates.numel(), 1)
+    trial[torch.arange(candidates.numel()), candidates] = False
+    got = ev.drop_errors(kept, candidates)
+    want = ev.errors(trial)
+    # rtol: a softmax over fewer experts rounds the unchanged tokens' weights differently
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-12)
+
+
 def test_keep_all_is_identity():
     _, _, arch, layer, x, y = _setup("kimi_k3")
     kept, record = select_by_block_error(layer, x, y, arch.num_experts)

@@ -175,27 +175,36 @@ def routing_rule(layer: MoELayer) -> RoutingRule:
 def route(
     rule: RoutingRule, logits: torch.Tensor, kept: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k ids and weights ``[B, N, k]`` for ``B`` kept sets (``kept`` ``[B, E]`` bool) on
-    router ``logits`` ``[N, E]``, as the router of the pruned block routes."""
+    """Top-k ids and weights ``[..., k]`` as the router of the block pruned to ``kept``
+    routes: router ``logits`` ``[..., E]`` and ``kept`` ``[..., E]`` (bool) broadcast
+    (``[N, E]`` with ``[B, 1, E]``: ``B`` kept sets on ``N`` tokens)."""
     neg = torch.zeros(kept.shape, dtype=logits.dtype, device=logits.device)
-    neg = neg.masked_fill(~kept, float("-inf"))[:, None, :]  # [B, 1, E]
+    neg = neg.masked_fill(~kept, float("-inf"))
     if rule.activation == "softmax":
-        scores = torch.softmax(logits[None] + neg, dim=-1)
+        scores = torch.softmax(logits + neg, dim=-1)
     else:
-        scores = logits.sigmoid()[None].expand(kept.shape[0], -1, -1)
+        scores = logits.sigmoid().expand(torch.broadcast_shapes(logits.shape, kept.shape))
     choice = scores + neg if rule.bias is None else scores + rule.bias.to(logits) + neg
     if rule.n_group > 1:
-        B, N, E = choice.shape
-        grouped = choice.view(B, N, rule.n_group, E // rule.n_group)
+        shape = choice.shape
+        grouped = choice.view(*shape[:-1], rule.n_group, shape[-1] // rule.n_group)
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
         picked = group_scores.topk(rule.topk_group, dim=-1).indices
         mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, picked, True)
-        choice = grouped.masked_fill(~mask[..., None], float("-inf")).view(B, N, E)
+        choice = grouped.masked_fill(~mask[..., None], float("-inf")).view(shape)
     ids = choice.topk(rule.top_k, dim=-1).indices
     weights = scores.gather(-1, ids)
     if rule.renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + rule.renorm_eps)
     return ids, weights * rule.scaling
+
+
+def _drop_is_local(rule: RoutingRule) -> bool:
+    """Whether dropping expert ``e`` changes the routing only of the tokens that route to
+    ``e`` (or, group-limited, have ``e`` among a group's top 2): true unless the scores
+    are a softmax over the kept experts whose denominator reaches every token (no
+    renormalisation, or a bias added to the softmax for the choice)."""
+    return rule.activation == "sigmoid" or (rule.bias is None and rule.renormalize)
 
 
 @contextmanager
@@ -293,10 +302,8 @@ class BlockErrorEvaluator:
         self.evaluations = 0
         self.expert_calls = 0
         full = torch.ones(1, E, dtype=torch.bool)
-        ids, _ = route(self.rule, self.logits, full)
-        choice = self.logits.sigmoid() if self.rule.activation == "sigmoid" else self.logits
-        choice = choice + (self.rule.bias if self.rule.bias is not None else 0.0)
-        nearest = choice.topk(min(E, slots), dim=-1).indices
+        ids, _ = route(self.rule, self.logits[None], full[:, None, :])
+        nearest = self._choice().topk(min(E, slots), dim=-1).indices
         cand = torch.cat([ids[0], nearest], dim=1)
         tok = torch.arange(self.N)[:, None].expand_as(cand)
         self._ensure(tok.reshape(-1), cand.reshape(-1))
@@ -345,23 +352,75 @@ class BlockErrorEvaluator:
             self.G[t, :, s] = dots
             self.b[t, s] = (o * self.r[t]).sum(-1).double()
 
+    def _quadratic(self, tok: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``||sum_k w_k g_{ids_k} - r||^2`` of tokens ``tok`` routed to ``ids`` with ``w``
+        (all ``[..., N or P, k]``), caching the contributions it does not hold yet."""
+        pos = self.slot_of[tok, ids]
+        if (pos < 0).any():
+            miss = pos < 0
+            self._ensure(tok[miss], ids[miss])
+            pos = self.slot_of[tok, ids]
+        # the token's routing weights on its cached slots v [..., S]: the error is
+        # v^T G v - 2 v^T b + ||r||^2, one batched [S, S] product per token
+        rows = tok[..., 0]
+        v = torch.zeros(*pos.shape[:-1], self.G.shape[1], dtype=torch.float64)
+        v.scatter_add_(-1, pos, w.double())
+        if rows.dim() == 2 and rows.shape[1] == self.N:  # [B, N]: every token
+            Gv = torch.bmm(self.G, v.permute(1, 2, 0)).permute(2, 0, 1)
+        else:  # [P]: one token per row
+            Gv = torch.bmm(self.G[rows], v[..., None])[..., 0]
+        quad = (v * Gv).sum(-1)
+        lin = (v * self.b[rows]).sum(-1)
+        return (quad - 2 * lin + self.rr[rows]).clamp_min(0.0)
+
+    def drop_errors(self, kept: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """``[C, G]`` errors of ``kept`` (``[E]`` bool) with each of ``candidates`` dropped.
+
+        For routers whose drop is local (:func:`_drop_is_local`) only the tokens whose
+        routing the drop can change are re-routed: those routed to the candidate, or,
+        group-limited, holding it among a group's top 2; the others keep their error."""
+        if not _drop_is_local(self.rule):
+            trial = kept[None].repeat(candidates.numel(), 1)
+            trial[torch.arange(candidates.numel()), candidates] = False
+            return self.errors(trial)
+        ids, w = route(self.rule, self.logits, kept)
+        tok = torch.arange(self.N)[:, None].expand_as(ids)
+        current = self._quadratic(tok, ids, w)  # [N]
+        touched = ids
+        if self.rule.n_group > 1:
+            choice = self._choice().masked_fill(~kept, float("-inf"))
+            size = self.E // self.rule.n_group
+            top2 = choice.view(self.N, self.rule.n_group, size).topk(2, dim=-1).indices
+            top2 = top2 + torch.arange(self.rule.n_group)[None, :, None] * size
+            touched = torch.cat([ids, top2.reshape(self.N, -1)], dim=1)
+        hit = (touched[:, :, None] == candidates[None, None, :]).any(dim=1)  # [N, C]
+        t_idx, c_idx = hit.nonzero(as_tuple=True)
+        G = len(self.group_ids)
+        delta = torch.zeros(candidates.numel() * G, dtype=torch.float64)
+        chunk = max(1, (1 << 22) // self.E)
+        for i in range(0, t_idx.numel(), chunk):
+            t, c = t_idx[i : i + chunk], c_idx[i : i + chunk]
+            trial = kept[None].repeat(t.numel(), 1)
+            trial[torch.arange(t.numel()), candidates[c]] = False
+            p_ids, p_w = route(self.rule, self.logits[t], trial)
+            err = self._quadratic(t[:, None].expand_as(p_ids), p_ids, p_w)
+            delta.index_add_(0, c * G + self.group_of[t], err - current[t])
+        base = current.new_zeros(G).index_add_(0, self.group_of, current)
+        self.evaluations += int(candidates.numel())
+        return (base[None] + delta.view(-1, G)) / self.yy_group.clamp_min(1e-30)
+
+    def _choice(self) -> torch.Tensor:
+        """``[N, E]`` choice scores of the unpruned router (sigmoid scores + bias)."""
+        scores = self.logits.sigmoid() if self.rule.activation == "sigmoid" else self.logits
+        return scores + (self.rule.bias if self.rule.bias is not None else 0.0)
+
     def token_errors(self, kept: torch.Tensor) -> torch.Tensor:
         """``[B, N]`` squared output error per token for kept sets ``kept`` ``[B, E]``."""
         out = []
         for i in range(0, kept.shape[0], self.batch):
-            ids, w = route(self.rule, self.logits, kept[i : i + self.batch])
+            ids, w = route(self.rule, self.logits[None], kept[i : i + self.batch, None, :])
             tok = torch.arange(self.N)[None, :, None].expand_as(ids)
-            pos = self.slot_of[tok, ids]
-            if (pos < 0).any():
-                miss = pos < 0
-                self._ensure(tok[miss], ids[miss])
-                pos = self.slot_of[tok, ids]
-            t4 = tok[..., None]
-            Gs = self.G[t4, pos[..., :, None], pos[..., None, :]]  # [b, N, k, k]
-            w = w.double()
-            quad = torch.einsum("bnk,bnkl,bnl->bn", w, Gs, w)
-            lin = (w * self.b[tok, pos]).sum(-1)
-            out.append((quad - 2 * lin + self.rr[None]).clamp_min(0.0))
+            out.append(self._quadratic(tok, ids, w))
             self.evaluations += int(ids.shape[0])
         return torch.cat(out)
 
@@ -474,9 +533,7 @@ def select_by_block_error(
         ids = ids[torch.sort(order_key[ids], stable=True).indices]
         if candidates is not None:
             ids = ids[:candidates]
-        trial = kept[None].repeat(ids.numel(), 1)
-        trial[torch.arange(ids.numel()), ids] = False
-        objective = ev.errors(trial).max(dim=1).values
+        objective = ev.drop_errors(kept, ids).max(dim=1).values
         d = min(drops_per_step, int(kept.sum()) - keep)
         dropped: list[int] = []
         for j in torch.sort(objective, stable=True).indices.tolist():
