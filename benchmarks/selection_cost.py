@@ -102,9 +102,9 @@ def main() -> None:
     )
     E, keep, C, d = 896, args.keep, args.candidates, args.drops
     steps = math.ceil((E - keep) / d)
-    formula = sum(
-        min(C, E - s * d) for s in range(steps)
-    ) + (steps if d > 1 else 0) + 1  # eligible_s = kept experts before step s (flat router)
+    formula = (
+        sum(min(C, E - s * d) for s in range(steps)) + (steps if d > 1 else 0) + 1
+    )  # eligible_s = kept experts before step s (flat router)
     scale = args.extrapolate / args.tokens
     result = {
         "args": vars(args),
