@@ -34,13 +34,20 @@ One evaluation of a kept set is then the routing on the cached router logits,
 ``O(N E)``, and a ``k x k`` quadratic form per token, ``O(N k^2)``: no expert forward
 and nothing of size ``hidden``. Evaluations are batched (``batch`` kept sets at once).
 
-Cost (``N`` tokens, ``k`` top-k, ``H`` hidden): ``steps = ceil((E - keep) / d)``;
-evaluations ``= sum_s min(C, eligible_s) (+1 per step when d > 1)``, about
-``C * (E - keep) / d`` when ``C`` is below the eligible count (every kept expert when
-``ranking`` is ``None``: about ``(E^2 - keep^2) / (2 d)``); each costs ``O(N (E + k^2))``.
-Setup: ``N (k + extra_slots)`` expert forwards plus the misses, and ``O(N S^2 H)`` for
-the Gram matrices (``S`` cached slots per token). Memory: ``N S H`` float32 for the
-cached contributions. Kimi K3 (E 896 -> keep 448, k 16, C 64, d 8): 56 steps, 3,640
+Single drops are cheaper still where a drop is local (sigmoid routers; softmax routers
+that renormalise without a bias): dropping ``e`` re-routes only the tokens routed to
+``e`` (group-limited: also those holding ``e`` among a group's top 2), the others keep
+their error.
+
+Cost (``N`` tokens, ``k`` top-k, ``S`` cached slots per token, ``H`` hidden):
+``steps = ceil((E - keep) / d)``; evaluations (kept sets judged)
+``= sum_s min(C, eligible_s) + [d > 1] * steps + 1``, about ``C (E - keep) / d`` when ``C``
+is below the kept count (without ``C``: ``sum_s (E - s d)``, about
+``(E^2 - keep^2) / (2 d)``). A step costs ``O(N k E)`` routing for local routers (about
+``N k`` re-routed tokens when every kept expert is tried, fewer with ``C``) plus
+``O(N k^3)`` quadratic forms, else ``O(C N (E + k^2))``. Set-up: ``N S`` expert forwards
+(plus misses, ``record.expert_calls``) and ``O(N S^2 H)`` for the Gram matrices; memory
+``N S H`` float32. Kimi K3 (E 896 -> keep 448, k 16, C 64, d 8): 56 steps, 3,641
 evaluations; measured in ``benchmarks/selection_cost.py``, see ``docs/selection.md``.
 
 Routers it knows (others are refused, say so, and keep REAP's selection): llm-compressor's
@@ -360,17 +367,13 @@ class BlockErrorEvaluator:
             miss = pos < 0
             self._ensure(tok[miss], ids[miss])
             pos = self.slot_of[tok, ids]
-        # the token's routing weights on its cached slots v [..., S]: the error is
-        # v^T G v - 2 v^T b + ||r||^2, one batched [S, S] product per token
-        rows = tok[..., 0]
-        v = torch.zeros(*pos.shape[:-1], self.G.shape[1], dtype=torch.float64)
-        v.scatter_add_(-1, pos, w.double())
-        if rows.dim() == 2 and rows.shape[1] == self.N:  # [B, N]: every token
-            Gv = torch.bmm(self.G, v.permute(1, 2, 0)).permute(2, 0, 1)
-        else:  # [P]: one token per row
-            Gv = torch.bmm(self.G[rows], v[..., None])[..., 0]
-        quad = (v * Gv).sum(-1)
-        lin = (v * self.b[rows]).sum(-1)
+        # the error is w^T G[pos, pos] w - 2 w^T b[pos] + ||r||^2 on the token's slots
+        rows, S = tok[..., 0], self.G.shape[1]
+        at = rows[..., None] * S + pos  # [..., k] into b, and rows of G
+        Gs = self.G.view(-1).take(at[..., :, None] * S + pos[..., None, :])  # [..., k, k]
+        w = w.double()
+        quad = (torch.matmul(Gs, w.unsqueeze(-1)).squeeze(-1) * w).sum(-1)
+        lin = (w * self.b.view(-1).take(at)).sum(-1)
         return (quad - 2 * lin + self.rr[rows]).clamp_min(0.0)
 
     def drop_errors(self, kept: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
