@@ -114,6 +114,7 @@ def main() -> None:
         "evaluations_formula": formula,
         "expert_calls": rec.expert_calls,
         "seconds": rec.seconds,
+        "setup_seconds": rec.setup_seconds,
         "seconds_unpruned_block_forward": t_target,
         f"seconds_extrapolated_to_{args.extrapolate}_tokens": rec.seconds * scale,
         "objective": rec.objective,

@@ -68,6 +68,7 @@ def main() -> None:
     from reap_modifier.demo import data as D
     from reap_modifier.demo.config import DEFAULT_MODEL
     from reap_modifier.demo.workspace import load_model
+    from reap_modifier.evaluation import paired_difference
     from reap_modifier.models import find_moe_architecture
     from reap_modifier.scores import ExpertScores
     from reap_modifier.scores.keep_count import compute_keep_count
@@ -184,6 +185,9 @@ def main() -> None:
         for lang in LANGS:
             pw = per_window_metrics(models, windows[lang], "unpruned", args.chunk)
             kl[lang] = {m: sum(pw[m]["kl"]) / len(pw[m]["kl"]) for m in methods}
+            kl[lang]["vs_reap"] = {
+                m: paired_difference(pw["reap"]["kl"], pw[m]["kl"]) for m in methods[1:]
+            }
         results["sparsity"][str(sparsity)] = {
             "keep": keep,
             "layers": layer_rec,
@@ -207,11 +211,15 @@ def _print(results: dict, methods) -> None:
         for n, rec in r["layers"].items():
             cells = [f"{rec[m]['pooled']:.4f} / {rec[m]['worst']:.4f}" for m in methods]
             print(f"| {n.split('.')[-2]} | " + " | ".join(cells) + " |")
-        print("\nKL(unpruned || pruned) per language, held-out windows:\n")
+        print("\nKL(unpruned || pruned) per language, held-out windows (method - reap ± SE):\n")
         print("| language | " + " | ".join(methods) + " |")
         print("|---|" + "---|" * len(methods))
         for lang, row in r["kl"].items():
-            print(f"| {lang} | " + " | ".join(f"{row[m]:.4f}" for m in methods) + " |")
+            cells = [f"{row['reap']:.4f}"] + [
+                f"{row[m]:.4f} ({row['vs_reap'][m]['mean']:+.4f} ± {row['vs_reap'][m]['se']:.4f})"
+                for m in methods[1:]
+            ]
+            print(f"| {lang} | " + " | ".join(cells) + " |")
         secs = [rec["search"]["seconds"] for rec in r["layers"].values()]
         print(f"\nsearch (both objectives) per layer: {max(secs):.1f} s at most")
     print(f"\ntotal {results['seconds']:.0f} s (setup {results['setup_seconds']:.0f} s)")

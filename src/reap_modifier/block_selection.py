@@ -240,20 +240,28 @@ def _routed_off(layer: MoELayer) -> Iterator[None]:
                 object.__delattr__(owner, a)
 
 
-def _contributions(layer: MoELayer, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``[M, H]``: expert ``ids[m]``'s contribution to the block output on ``x[m]`` with
-    routing weight 1 (after the latent up-projection), through the model's own dispatch."""
-    ones = torch.ones(ids.shape[0], 1, dtype=torch.float32, device=x.device)
+def _dispatch_input(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """``[N, D]``: what the block hands its routed experts (K3 latent MoE: the latent)."""
+    block = layer.block
+    with torch.no_grad():
+        if layer.kind == "kimi" and getattr(block, "use_latent_moe", False):
+            return block.routed_expert_down_proj(x)
+    return x
+
+
+def _contributions(layer: MoELayer, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[M, H]``: expert ``ids[m]``'s contribution to the block output on dispatch input
+    ``h[m]`` with routing weight 1 (after the latent up-projection), through the model's
+    own dispatch."""
+    ones = torch.ones(ids.shape[0], 1, dtype=torch.float32, device=h.device)
     with torch.no_grad():
         if layer.kind == "kimi":
             block = layer.block
-            h = x
-            latent = getattr(block, "use_latent_moe", False)
-            if latent:
-                h = block.routed_expert_down_proj(h)
             out = block.moe_infer(h, ids[:, None], ones)
-            return block.routed_expert_up_proj(out) if latent else out
-        return layer.experts(x, ids[:, None], ones.to(x.dtype))
+            if getattr(block, "use_latent_moe", False):
+                return block.routed_expert_up_proj(out)
+            return out
+        return layer.experts(h, ids[:, None], ones.to(h.dtype))
 
 
 def _block_base(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
@@ -288,6 +296,7 @@ class BlockErrorEvaluator:
         _check_inputs(layer, inputs, targets, groups, E)
         self.E, self.N = E, int(inputs.shape[0])
         self.x = inputs.detach()
+        self.h = _dispatch_input(layer, self.x)
         self.logits = self.x.float() @ weight.float().t()
         labels = groups if groups is not None else torch.zeros(self.N, dtype=torch.long)
         self.group_ids, self.group_of = torch.unique(labels.long(), return_inverse=True)
@@ -346,7 +355,7 @@ class BlockErrorEvaluator:
         slot = self.used[tok] + torch.arange(tok.numel()) - start[tok]  # tok is sorted
         if int(slot.max()) >= self.g.shape[1]:
             self._grow(int(slot.max()) + 1 + self.rule.top_k)
-        out = _contributions(self.layer, self.x[tok], exp).float()
+        out = _contributions(self.layer, self.h[tok], exp).float()
         self.expert_calls += int(tok.numel())
         self.g[tok, slot] = out
         self.slot_of[tok, exp] = slot
@@ -400,17 +409,39 @@ class BlockErrorEvaluator:
         t_idx, c_idx = hit.nonzero(as_tuple=True)
         G = len(self.group_ids)
         delta = torch.zeros(candidates.numel() * G, dtype=torch.float64)
+        if self.rule.n_group == 1:
+            # a flat router sends a token that loses an expert to its next kept one: the
+            # top-(k + 1) among the kept, less the dropped expert
+            k = self.rule.top_k
+            following = self._choice().masked_fill(~kept, float("-inf")).topk(k + 1).indices
         chunk = max(1, (1 << 22) // self.E)
         for i in range(0, t_idx.numel(), chunk):
             t, c = t_idx[i : i + chunk], c_idx[i : i + chunk]
-            trial = kept[None].repeat(t.numel(), 1)
-            trial[torch.arange(t.numel()), candidates[c]] = False
-            p_ids, p_w = route(self.rule, self.logits[t], trial)
+            if self.rule.n_group == 1:
+                row = following[t]
+                p_ids = row[row != candidates[c][:, None]].view(-1, k)
+                p_w = self._weights(t, p_ids)
+            else:
+                trial = kept[None].repeat(t.numel(), 1)
+                trial[torch.arange(t.numel()), candidates[c]] = False
+                p_ids, p_w = route(self.rule, self.logits[t], trial)
             err = self._quadratic(t[:, None].expand_as(p_ids), p_ids, p_w)
             delta.index_add_(0, c * G + self.group_of[t], err - current[t])
         base = current.new_zeros(G).index_add_(0, self.group_of, current)
         self.evaluations += int(candidates.numel())
         return (base[None] + delta.view(-1, G)) / self.yy_group.clamp_min(1e-30)
+
+    def _weights(self, tok: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Routing weights of tokens ``tok`` sent to ``ids`` ``[P, k]`` by a router whose drop
+        is local (sigmoid; or softmax renormalised over the selected, so the kept set's
+        denominator cancels)."""
+        logits = self.logits[tok].gather(-1, ids)
+        if self.rule.activation == "softmax":
+            return torch.softmax(logits, dim=-1) * self.rule.scaling
+        w = logits.sigmoid()
+        if self.rule.renormalize:
+            w = w / (w.sum(dim=-1, keepdim=True) + self.rule.renorm_eps)
+        return w * self.rule.scaling
 
     def _choice(self) -> torch.Tensor:
         """``[N, E]`` choice scores of the unpruned router (sigmoid scores + bias)."""
@@ -445,6 +476,7 @@ class BlockSelectionRecord:
     evaluations: int = 0
     expert_calls: int = 0
     seconds: float = 0.0
+    setup_seconds: float = 0.0  # of ``seconds``: the cache and its Gram matrices
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -528,7 +560,7 @@ def select_by_block_error(
     per_group = keep // n_group
     kept = torch.ones(E, dtype=torch.bool)
     order_key = ranking.double() if ranking is not None else torch.zeros(E, dtype=torch.float64)
-    record = BlockSelectionRecord(kept=[])
+    record = BlockSelectionRecord(kept=[], setup_seconds=time.perf_counter() - t0)
     while int(kept.sum()) > keep:
         counts = torch.bincount(group_of_expert[kept], minlength=n_group)
         eligible = kept & (counts[group_of_expert] > per_group)
