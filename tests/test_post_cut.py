@@ -209,3 +209,37 @@ def test_spilled_capture_gives_the_same_fit(tmp_path, tokenizer):
         for name, tensor in named.items():
             assert torch.equal(tensor, fitted[1][layer][name]), (layer, name)
     assert not any(p.is_file() for p in (tmp_path / "spill").rglob("*"))
+
+
+def test_block_error_selection_rechooses_the_kept_experts(tmp_path, tokenizer):
+    """``selection: block_error``: the same keep count per layer, experts chosen by the block's
+    re-routed output error, recorded in the plan, the record and the manifest."""
+    fixture = build_mxfp4_checkpoint("kimi_k3", tmp_path / "src", grouped=True)
+    reap = _oneshot(
+        reload_class("kimi_k3").from_pretrained(fixture.path),
+        REAPPruningModifier(sparsity=0.5),
+        tokenizer,
+    )
+    manifest = tmp_path / "m.json"
+    model = reload_class("kimi_k3").from_pretrained(fixture.path)
+    modifier = REAPPruningModifier(
+        sparsity=0.5,
+        selection="block_error",
+        selection_candidates=None,
+        manifest_path=str(manifest),
+    )
+    _oneshot(model, modifier, tokenizer)
+    plan = modifier.plan
+    assert plan.saliency == "block_error" and plan.params["candidate_order"] == "reap"
+    assert {k: len(v) for k, v in plan.kept.items()} == dict.fromkeys(reap.plan.kept, 8)
+    selection = modifier.router_fit["selection"]
+    assert selection["method"] == "block_error" and set(selection["layers"]) == set(plan.kept)
+    differs = sum(len(set(plan.kept[n]) - set(reap.plan.kept[n])) for n in plan.kept)
+    assert selection["differs_from_ranking"] == differs
+    assert json.loads(manifest.read_text())["saliency"] == "block_error"
+    assert model.config.text_config.num_experts == 8
+
+
+def test_selection_options_need_block_error():
+    with pytest.raises(ValidationError, match="only apply with `selection: block_error`"):
+        REAPPruningModifier(sparsity=0.5, selection_drops=2)
