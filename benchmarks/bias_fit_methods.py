@@ -51,6 +51,7 @@ def ste(layer, x, y, *, steps=100, temperature=1.0, lr=0.1):
     one = _one_slot(layer)
     cache = {}
 
+    @torch.no_grad()
     def all_experts(h):
         ones = torch.ones(h.shape[0], 1)
         return torch.stack(

@@ -9,8 +9,8 @@ modifier fits): :func:`reap_modifier.router_fit.fit_router` (rows written), then
 layer-local error per layer (every 8th fitting token, as both fits hold out) after the cut,
 after the router fit and after the bias fit, and ``KL(unpruned || model)`` per language on
 the main job's held-out ``eval`` windows (never used to fit) for the cut alone, the router
-fit, the router fit + bias fit and the bias fit alone, with the paired difference of the
-last step.
+fit and the router fit + bias fit (``--bias-alone`` adds the bias fit without the router
+fit), with the paired difference of the last step.
 
     PYTHONPATH=src python benchmarks/bias_fit_quality.py --out out/bias_fit_quality.json
 """
@@ -18,6 +18,7 @@ last step.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import tempfile
 import time
@@ -91,7 +92,10 @@ def fit(model, io, *, router: bool, bias: bool, steps: int, lr: float, sweeps: i
             with torch.no_grad():
                 getattr(layer.router, BIAS_ATTR).copy_(b)
             rec["bias"] = r.to_dict()
-        rec["seconds"] = {"router": t1 - t0, "bias": time.perf_counter() - t1}
+        if router:
+            rec["seconds_router"] = t1 - t0
+        if bias:
+            rec["seconds_bias"] = time.perf_counter() - t1
         out[layer.name] = rec
     return out
 
@@ -109,13 +113,14 @@ def main() -> None:
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--sparsity", type=float, nargs="+", default=[0.5, 0.75])
-    ap.add_argument("--tokens-per-lang", type=int, default=4096)
+    ap.add_argument("--tokens-per-lang", type=int, default=2048)
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--eval-windows", type=int, default=32)
+    ap.add_argument("--eval-windows", type=int, default=16)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--lr", type=float, default=0.03)
     ap.add_argument("--sweeps", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=8)
+    ap.add_argument("--bias-alone", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -141,30 +146,41 @@ def main() -> None:
     unpruned = fresh()
     io = capture_block_io(unpruned, dataset)
     print(f"captured {next(iter(io.values()))[0].shape[0]} tokens per block", flush=True)
+    # (base model, router fit, bias fit): each variant is a copy of its base, fitted further
     variants = {
-        "cut": dict(router=False, bias=False),
-        "router": dict(router=True, bias=False),
-        "router+bias": dict(router=True, bias=True),
-        "bias": dict(router=False, bias=True),
+        "cut": (None, False, False),
+        "router": ("cut", True, False),
+        "router+bias": ("router", False, True),
     }
+    if args.bias_alone:
+        variants["bias"] = ("cut", False, True)
     results, kl_rows, layer_rows = {}, [], []
     for sparsity in args.sparsity:
         key = f"{int(sparsity * 100)}%"
         models, fits = {"unpruned": unpruned}, {}
-        for name, flags in variants.items():
-            models[name] = cut(fresh, sparsity, scores, tokenizer)
+        for name, (base, router, bias) in variants.items():
+            model = cut(fresh, sparsity, scores, tokenizer) if base is None else None
+            models[name] = model or copy.deepcopy(models[base])
             fits[name] = fit(
-                models[name], io, steps=args.steps, lr=args.lr, sweeps=args.sweeps, **flags
+                models[name],
+                io,
+                router=router,
+                bias=bias,
+                steps=args.steps,
+                lr=args.lr,
+                sweeps=args.sweeps,
             )
+            if base is not None:  # the records of the fits it inherits
+                fits[name] = {n: {**fits[base][n], **r} for n, r in fits[name].items()}
         results[key] = {"fits": fits, "langs": {}}
         for layer, rec in fits["router+bias"].items():
             r, b = rec["router"], rec["bias"]
-            alone = fits["bias"][layer]["bias"]
+            alone = fits["bias"][layer]["bias"]["holdout_after"] if "bias" in fits else None
             layer_rows.append(
                 f"| {key} | {layer.split('.')[-2]} | {r['holdout_before']:.4f} | "
-                f"{r['holdout_after']:.4f} | {b['holdout_after']:.4f} | {alone['holdout_after']:.4f} | "
+                f"{r['holdout_after']:.4f} | {b['holdout_after']:.4f} | {alone or float('nan'):.4f} | "
                 f"{b['moves']} / {b['best_move']} | {b['block_rows'] / b['tokens']:.1f} | "
-                f"{rec['seconds']['bias']:.1f} |"
+                f"{rec['seconds_bias']:.1f} |"
             )
         for lang in LANGS:
             pw = per_window_metrics(models, windows[lang], "unpruned", args.chunk)
@@ -173,7 +189,7 @@ def main() -> None:
             results[key]["langs"][lang] = {"kl": kl, "diff_router_bias_minus_router": diff}
             kl_rows.append(
                 f"| {key} | {lang} | {kl['cut']:.4f} | {kl['router']:.4f} | "
-                f"{kl['router+bias']:.4f} | {kl['bias']:.4f} | "
+                f"{kl['router+bias']:.4f} | {kl.get('bias', float('nan')):.4f} | "
                 f"{diff['mean']:+.4f} ± {diff['se']:.4f} |"
             )
             print("row:", kl_rows[-1], flush=True)

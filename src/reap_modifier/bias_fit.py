@@ -145,7 +145,8 @@ def routing_rule(router) -> RoutingRule:
 
 def router_scores(router, inputs: torch.Tensor, rule: RoutingRule) -> torch.Tensor:
     """``[N, E]`` float32 routing scores (before the bias) as the router computes them."""
-    logits = F.linear(inputs.float(), router.weight.float())
+    with torch.no_grad():
+        logits = F.linear(inputs.float(), router.weight.float())
     return logits.sigmoid() if rule.activation == "sigmoid" else logits.softmax(dim=-1)
 
 
@@ -294,15 +295,20 @@ class _TokenSet:
         self._new_slots = slots
         return (slots.to(weights.dtype) * weights.unsqueeze(-1)).sum(dim=1).to(h.dtype)
 
-    def try_biases(self, biases: torch.Tensor):
+    def try_biases(self, biases: torch.Tensor, rows: torch.Tensor | None = None):
         """Evaluate candidate biases ``[C, E]``: per candidate the change of the summed
-        squared error and what a move to it would write (rows, ids, weights, slots, err)."""
-        ids, weights = routing(self.scores, biases, self.rule)  # [C, N, k]
-        changed = (_sorted(ids) != _sorted(self.ids).unsqueeze(0)).any(dim=-1)  # [C, N]
-        cand, tokens = changed.nonzero(as_tuple=True)
+        squared error and what a move to it would write (rows, ids, weights, slots, err).
+        ``rows``: the only tokens whose selection the candidates can change (all if None)."""
+        scores, current = (
+            (self.scores, self.ids) if rows is None else (self.scores[rows], self.ids[rows])
+        )
+        ids, weights = routing(scores, biases, self.rule)  # [C, n, k]
+        changed = (_sorted(ids) != _sorted(current).unsqueeze(0)).any(dim=-1)  # [C, n]
+        cand, local = changed.nonzero(as_tuple=True)
+        new_ids, new_weights = ids[cand, local], weights[cand, local]
+        tokens = local if rows is None else rows[local]
         if tokens.numel() == 0:
             return [None] * biases.shape[0]
-        new_ids, new_weights = ids[cand, tokens], weights[cand, tokens]
         out = self._block_rows(tokens, new_ids, new_weights)
         err = (out.float() - self.y[tokens].float()).pow(2).sum(dim=-1)
         delta = err.new_zeros(biases.shape[0]).index_add_(0, cand, err - self.err[tokens])
@@ -341,19 +347,44 @@ class _TokenSet:
         self.slots[tokens] = slots.to(self.slots.dtype)
         self.err[tokens] = err
 
-    def move_to(self, bias: torch.Tensor) -> None:
-        """Follow a kept move (the held-out set)."""
-        move = self.try_biases(bias.unsqueeze(0))[0]
+    def move_to(self, bias: torch.Tensor, before: torch.Tensor, expert: int) -> None:
+        """Follow a kept move of ``expert``'s bias from ``before`` (the held-out set)."""
+        step = (bias[expert] - before[expert]).item()
+        rows = _reachable(self, before, expert, min(step, 0.0), max(step, 0.0))
+        move = self.try_biases(bias.unsqueeze(0), rows)[0]
         if move is not None:
             self.commit(move)
 
 
-def _candidates(state: _TokenSet, bias: torch.Tensor, expert: int, dtype) -> torch.Tensor:
-    """Candidate biases ``[C, E]`` moving ``expert``'s entry (see the module docstring)."""
+def _boundaries(state: _TokenSet, bias: torch.Tensor):
+    """``scores + bias`` and, per token, the selection mask, the lowest selected and the
+    highest unselected value."""
     choice = state.scores + bias
     selected = torch.zeros_like(choice, dtype=torch.bool).scatter_(-1, state.ids, True)
     inside = choice.masked_fill(~selected, float("inf")).min(dim=-1)[0]
     outside = choice.masked_fill(selected, float("-inf")).max(dim=-1)[0]
+    return choice, selected, inside, outside
+
+
+def _reachable(state, bias, expert, low, high, bounds=None) -> torch.Tensor | None:
+    """The tokens whose selection can change when ``expert``'s bias moves by a step in
+    ``[low, high]`` (``low <= 0 <= high``): without groups, an unselected expert enters
+    only past the lowest selected value and a selected one leaves only below the highest
+    unselected one; with groups (a group's score moves with its members) every token."""
+    if state.rule.n_group > state.rule.topk_group:
+        return None
+    choice, selected, inside, outside = bounds or _boundaries(state, bias)
+    mine, value = selected[:, expert], choice[:, expert]
+    slack = 1e-6 * (1 + value.abs())
+    near = (~mine & (value + high >= inside - slack)) | (mine & (value + low <= outside + slack))
+    return near.nonzero().flatten()
+
+
+def _candidates(state: _TokenSet, bias: torch.Tensor, expert: int, dtype):
+    """Candidate biases ``[C, E]`` moving ``expert``'s entry (see the module docstring)
+    and the tokens whose selection they can change (``None``: all)."""
+    bounds = _boundaries(state, bias)
+    choice, selected, inside, outside = bounds
     mine = selected[:, expert]
     load = state.x.shape[0] * state.rule.top_k / choice.shape[-1]
     counts = sorted({max(1, round(f * load)) for f in LOAD_FRACTIONS})
@@ -372,7 +403,12 @@ def _candidates(state: _TokenSet, bias: torch.Tensor, expert: int, dtype) -> tor
         b[expert] = (b[expert] + step).to(dtype).float()
         if b[expert] != bias[expert]:
             out.append(b)
-    return torch.stack(out) if out else bias.new_zeros(0, bias.shape[0])
+    if not out:
+        return bias.new_zeros(0, bias.shape[0]), None
+    trial = torch.stack(out)
+    moved = trial[:, expert] - bias[expert]
+    low, high = min(moved.min().item(), 0.0), max(moved.max().item(), 0.0)
+    return trial, _reachable(state, bias, expert, low, high, bounds)
 
 
 def _real_loss(layer, bias, x, y) -> float:
@@ -432,11 +468,11 @@ def fit_bias(
         done, moved = sweep, 0
         for expert in range(bias.shape[0]):
             for _ in range(REPEATS):
-                trial = _candidates(fit, bias, expert, dtype)
+                trial, rows = _candidates(fit, bias, expert, dtype)
                 candidates += trial.shape[0]
                 if trial.shape[0] == 0:
                     break
-                tried = fit.try_biases(trial)
+                tried = fit.try_biases(trial, rows)
                 scored = [(r[0], c) for c, r in enumerate(tried) if r is not None]
                 if not scored:
                     break
@@ -444,8 +480,8 @@ def fit_bias(
                 if gain >= -1e-7 * fit.denominator:
                     break
                 fit.commit(tried[c])
-                bias = trial[c].clone()
-                hold.move_to(bias)
+                before, bias = bias, trial[c].clone()
+                hold.move_to(bias, before, expert)
                 moves += 1
                 moved += 1
                 if hold.loss() < best_held:
