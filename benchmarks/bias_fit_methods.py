@@ -5,7 +5,8 @@ Straight-through estimator: Adam on the bias (float32 master), forward with the 
 selection the router makes, backward through a soft selection mask
 ``sigmoid((scores + bias - boundary) / T)`` (``boundary``: per token, midway between the
 k-th selected and the best unselected ``scores + bias``; ``T``: a multiple of the median
-gap), the weights ``scores * mask`` renormalised and scaled as the router does; every
+gap), the weights ``scores * mask`` renormalised and scaled as the router does, the
+gradient's mean removed (a uniform shift of the bias never changes the selection); every
 kept expert's output on every token is cached (the surrogate needs the unselected ones).
 Held-out early stopping as the fits do (every 8th token; the lowest held-out loss, with
 the block's own router, over the steps).
@@ -66,7 +67,7 @@ def ste(layer, x, y, *, steps=100, temperature=1.0, lr=0.1):
 
     v0 = scores + cut.float()
     _, inside, outside = gap(v0, routing(scores, cut.float(), rule)[0])
-    T = temperature * (inside - outside).median().clamp_min(1e-6).item()
+    T = temperature * (inside - outside).abs().median().clamp_min(1e-6).item()
     bias = torch.nn.Parameter(cut.float().clone())
     opt = torch.optim.Adam([bias], lr=lr * T)
     best_held = _real_loss(layer, cut, xh, yh)
@@ -93,6 +94,10 @@ def ste(layer, x, y, *, steps=100, temperature=1.0, lr=0.1):
             loss = relative_error(out, yf)
         opt.zero_grad()
         loss.backward()
+        # a uniform shift of every bias never changes the selection: drop that direction
+        # (without this Adam moves every entry by the same step while the gradient's
+        # entries share a sign, and the selection never changes)
+        bias.grad -= bias.grad.mean()
         opt.step()
         now = bias.detach().to(cut.dtype)
         h = _real_loss(layer, now, xh, yh)
