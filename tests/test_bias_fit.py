@@ -100,6 +100,7 @@ def test_fit_never_raises_the_held_out_loss_and_leaves_the_layer(kind):
         before = _state(layer)
         cut_bias = layer.router.e_score_correction_bias.detach().clone()
         cut_held = _error(layer, x[held], y[held])
+        cut_fit = _error(layer, x[~held], y[~held])
 
         bias, record = fit_bias(layer, x, y)
 
@@ -108,6 +109,7 @@ def test_fit_never_raises_the_held_out_loss_and_leaves_the_layer(kind):
         for key, value in before.items():
             assert torch.equal(value, after[key]), key
         assert record.holdout_before == pytest.approx(cut_held, rel=1e-5)
+        assert record.loss_before == pytest.approx(cut_fit, rel=1e-5)
         with torch.no_grad():
             layer.router.e_score_correction_bias.copy_(bias)
         fitted_held = _error(layer, x[held], y[held])
@@ -222,3 +224,31 @@ def test_a_router_whose_choice_differs_from_the_rule_is_refused():
     router.forward = reversed_choice.__get__(router)
     with pytest.raises(BiasFitError, match="differs from the DeepSeek-V3 rule"):
         fit_bias(layer, x, y)
+
+
+@pytest.mark.parametrize(
+    "family,over",
+    [("kimi_k3", {"grouped": True}), ("kimi_k3", {}), ("deepseek_v3", {}), ("glm4_moe", {})],
+)
+def test_the_replicated_rule_makes_the_routers_own_choice(family, over):
+    """The search routes candidates with :func:`routing`; for random biases its ids and
+    weights are the router's own (read from the router's output)."""
+    from reap_modifier.bias_fit import router_scores, routing, routing_rule
+
+    model, info = build_tiny(family, seed=5, **over)
+    layer = find_moe_architecture(model).layers[0]
+    router = layer.router
+    x = torch.randn(200, info.hidden_size, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        with torch.no_grad():
+            router.e_score_correction_bias.copy_(
+                0.3 * torch.randn(router.e_score_correction_bias.shape, generator=gen)
+            )
+            out = router(x.unsqueeze(0))
+        own_ids, own_w = (out[0], out[1]) if family == "kimi_k3" else (out[2], out[1])
+        rule = routing_rule(router)
+        ids, w = routing(router_scores(router, x, rule), router.e_score_correction_bias, rule)
+        a, b = ids.argsort(-1), own_ids.argsort(-1)
+        assert torch.equal(ids.gather(-1, a), own_ids.gather(-1, b))
+        torch.testing.assert_close(w.gather(-1, a), own_w.float().gather(-1, b))
