@@ -252,3 +252,34 @@ def test_the_replicated_rule_makes_the_routers_own_choice(family, over):
         a, b = ids.argsort(-1), own_ids.argsort(-1)
         assert torch.equal(ids.gather(-1, a), own_ids.gather(-1, b))
         torch.testing.assert_close(w.gather(-1, a), own_w.float().gather(-1, b))
+
+
+def test_the_tokens_a_move_can_reach_hold_every_token_it_changes():
+    """Without groups the search evaluates a move only on the tokens it can reach; every
+    token whose routing (recomputed in full) changes must be among them."""
+    from types import SimpleNamespace
+
+    from reap_modifier.bias_fit import _reachable, router_scores, routing, routing_rule
+
+    model, info = build_tiny("kimi_k3", seed=5)
+    router = find_moe_architecture(model).layers[0].router
+    rule = routing_rule(router)
+    assert rule.n_group <= rule.topk_group
+    x = torch.randn(300, info.hidden_size, generator=torch.Generator().manual_seed(0))
+    scores = router_scores(router, x, rule)
+    gen = torch.Generator().manual_seed(2)
+    checked = 0
+    for _ in range(40):
+        bias = 0.2 * torch.randn(scores.shape[-1], generator=gen)
+        ids = routing(scores, bias, rule)[0]
+        expert = int(torch.randint(scores.shape[-1], (1,), generator=gen))
+        step = float(0.3 * torch.randn(1, generator=gen))
+        moved = bias.clone()
+        moved[expert] += step
+        new = routing(scores, moved, rule)[0]
+        changed = (new.sort(-1)[0] != ids.sort(-1)[0]).any(-1).nonzero().flatten()
+        state = SimpleNamespace(rule=rule, scores=scores, ids=ids)
+        reach = _reachable(state, bias, expert, min(step, 0.0), max(step, 0.0))
+        assert set(changed.tolist()) <= set(reach.tolist())
+        checked += changed.numel()
+    assert checked > 0
