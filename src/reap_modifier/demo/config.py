@@ -111,7 +111,7 @@ METHODS: tuple[Method, ...] = (
     ),
     Method(
         "block_error_comp", "block-error selection + compensation", "calibrated", "reap", "D",
-        "en+zh+code", role="fit", fit_of="reap_en_zh_code", fit=("router", "dense"),
+        "en+zh+code", role="fit", fit_of="reap_en_zh_code", fit=("router", "bias", "dense"),
         selection="block_error", skip_sparsities=_NOT_AT_25,
     ),
 )  # fmt: skip
