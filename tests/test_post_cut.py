@@ -243,3 +243,33 @@ def test_block_error_selection_rechooses_the_kept_experts(tmp_path, tokenizer):
 def test_selection_options_need_block_error():
     with pytest.raises(ValidationError, match="only apply with `selection: block_error`"):
         REAPPruningModifier(sparsity=0.5, selection_drops=2)
+
+
+def test_bias_fit_on_the_modifier_saves_what_it_fitted(tmp_path, tokenizer):
+    """``calibrate_bias``: the score-correction bias is fitted after the router; what the
+    record says was fitted is what the saved checkpoint holds, and nothing else differs."""
+    fixture = build_mxfp4_checkpoint("kimi_k3", tmp_path / "src", grouped=True)
+    dst = tmp_path / "dst"
+    model = reload_class("kimi_k3").from_pretrained(fixture.path)
+    modifier = REAPPruningModifier(
+        sparsity=0.5,
+        calibrate_router=True,
+        calibrate_bias=True,
+        validate_fit=False,
+        router_fit_tokens=4096,
+        router_fit_steps=20,
+    )
+    _oneshot(model, modifier, tokenizer, output_dir=str(dst))
+    record = modifier.router_fit
+    assert [c["name"] for c in record["components"]] == ["router", "bias"]
+    for layer, recs in record["component_layers"].items():
+        assert recs["bias"]["holdout_after"] <= recs["bias"]["holdout_before"], layer
+    saved = load_tensors(dst)
+    names = set()
+    for layer, named in modifier._fitted_tensors.items():
+        for rel, tensor in named.items():
+            assert torch.equal(saved[f"{layer}.{rel}"], tensor.to(saved[f"{layer}.{rel}"].dtype))
+            names.add(rel)
+    assert names <= {"gate.weight", "gate.e_score_correction_bias"}
+    report = verify_checkpoint(dst, source=fixture.path)
+    assert report.ok, report.summary()

@@ -91,10 +91,10 @@ from .router_fit import (
     _ExpertCache,
     _instance_attrs,
     _output,
-    _trainable,
     differentiable_dispatch,
     relative_error,
     router_fit_problem,
+    trainable,
 )
 
 __all__ = [
@@ -260,7 +260,7 @@ def _dispatch(layer: MoELayer, fn: Callable) -> Iterator[None]:
 def _with_bias(layer: MoELayer, bias: torch.Tensor) -> Iterator[None]:
     """The block routes through a copy of its router holding ``bias`` (the router itself
     is never touched)."""
-    with _trainable(layer, []):
+    with trainable(layer, {layer.router_attr: []}):
         proxy = layer.block._modules[layer.router_attr]
         store = proxy._parameters if BIAS_ATTR in proxy._parameters else proxy._buffers
         store[BIAS_ATTR] = bias
