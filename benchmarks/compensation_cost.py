@@ -319,8 +319,8 @@ def main() -> None:
     ratio = n_t / hi["tokens"]
 
     def linear(key: str) -> float:
-        if hi["tokens"] == lo["tokens"]:  # one point: proportional (an upper bound)
-            return hi[key] * ratio
+        if hi["tokens"] == lo["tokens"]:  # needs two token counts
+            return float("nan")
         slope = (hi[key] - lo[key]) / (hi["tokens"] - lo["tokens"])
         return lo[key] + slope * (n_t - lo["tokens"])
 
