@@ -475,6 +475,9 @@ def fit_bias(
         bias, record = fit_bias(layer, X, Y)
         if bias is not None:
             layer.router.e_score_correction_bias.data.copy_(bias)
+
+    (Over 80 lines: the sweep over experts, its held-out bookkeeping and the final check
+    with the block's own forward read best as one piece.)
     """
     if not isinstance(getattr(layer.router, BIAS_ATTR, None), torch.Tensor):
         return None, None

@@ -262,14 +262,16 @@ def closed_form(
     projected = vectors.T @ cross
     floor = values.max().clamp_min(1e-300) * 1e-12  # rank-deficient directions stay at zero
     before = held_error(w_now)
-    best, best_ridge, best_w = before, None, None
-    for ridge in grid:
+    best, best_ridge, best_inverse = before, None, None
+    held_basis = f_held @ vectors  # each regulariser is scored in the eigenbasis; only the
+    for ridge in grid:  # chosen one's weights are formed (K3: 0.45 TFLOP each)
         shifted = values + ridge * scale
         inverse = torch.where(shifted > floor, 1.0 / shifted.clamp_min(floor), 0.0)
-        w = (vectors @ (inverse[:, None] * projected)).T
-        err = held_error(w)
+        pred = held_basis @ (inverse[:, None] * projected)
+        err = ((pred - t_held).pow(2).sum() / norm).item()
         if err < best:
-            best, best_ridge, best_w = err, ridge, w
+            best, best_ridge, best_inverse = err, ridge, inverse
+    best_w = None if best_inverse is None else (vectors @ (best_inverse[:, None] * projected)).T
     tensors: dict[str, torch.Tensor] = {}
     if best_w is not None:
         start = 0

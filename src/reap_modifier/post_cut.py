@@ -285,7 +285,6 @@ class PostCutFit:
         :param overlay: makes a packed model computable for the duration of a fit
             (returns an attached object with ``detach``, or ``None``)
         """
-        from tqdm.auto import tqdm
 
         capture, s = self.capture, self.settings
         capture.detach()
@@ -331,43 +330,10 @@ class PostCutFit:
             kl_now = validation.kl(model) if validation is not None else None
             kl_cut = kl_now
             for component in s.components:
-                saved = {layer.name: self._snapshot(component, layer) for layer in self.arch.layers}
-                fitted_now: dict[str, dict[str, torch.Tensor]] = {}
-                for layer in tqdm(self.arch.layers, desc=f"REAP post-cut fit: {component}"):
-                    x, y = rows[layer.name]
-                    tensors, rec = self._fit(component, layer, x, y)
-                    fitted_now[layer.name] = tensors
-                    layers[layer.name][component] = rec
-                kl_after = validation.kl(model) if validation is not None else None
-                kept = kl_after is None or kl_after < kl_now
-                names = sorted({f"{n}" for t in fitted_now.values() for n in t})
-                entry = {
-                    "name": component,
-                    "kept": kept,
-                    "kl_before": kl_now,
-                    "kl_after": kl_after,
-                    "tensors": names,
-                }
-                if kept:
-                    for name, tensors in fitted_now.items():
-                        changed[name].update(tensors)
-                    kl_now = kl_after
-                else:
-                    for layer in self.arch.layers:
-                        self._restore(layer, saved[layer.name])
-                        for n in fitted_now[layer.name]:
-                            changed[layer.name].pop(n, None)
+                entry = self._component(component, model, rows, validation, kl_now, layers, changed)
                 components.append(entry)
-                logger.info(
-                    f"REAP post-cut fit: {component} "
-                    + (
-                        f"{'kept' if kept else 'DROPPED (no better than without it)'}: "
-                        f"held-out KL {entry['kl_before']:.5g} -> {kl_after:.5g} nats/token"
-                        if kl_after is not None
-                        else "kept without validation"
-                    )
-                    + f"; tensors per layer: {', '.join(names) or 'none'}"
-                )
+                if entry["kept"] and entry["kl_after"] is not None:
+                    kl_now = entry["kl_after"]
         self.tensors = {n: t for n, t in changed.items() if t}
         self.record = {
             "method": FIT_METHOD,
@@ -449,6 +415,48 @@ class PostCutFit:
             params={**plan.params, "selection": "block_error", "candidate_order": plan.saliency},
             retained=retained,
         )
+
+    def _component(self, component, model, rows, validation, kl_now, layers, changed) -> dict:
+        """Fit ``component`` on every layer, then keep it (its tensors join ``changed``)
+        when the held-out KL drops below ``kl_now``, else put its tensors back; returns
+        the component's entry of the record."""
+        from tqdm.auto import tqdm
+
+        saved = {layer.name: self._snapshot(component, layer) for layer in self.arch.layers}
+        fitted_now: dict[str, dict[str, torch.Tensor]] = {}
+        for layer in tqdm(self.arch.layers, desc=f"REAP post-cut fit: {component}"):
+            x, y = rows[layer.name]
+            tensors, rec = self._fit(component, layer, x, y)
+            fitted_now[layer.name] = tensors
+            layers[layer.name][component] = rec
+        kl_after = validation.kl(model) if validation is not None else None
+        kept = kl_after is None or kl_after < kl_now
+        names = sorted({n for t in fitted_now.values() for n in t})
+        if kept:
+            for name, tensors in fitted_now.items():
+                changed[name].update(tensors)
+        else:
+            for layer in self.arch.layers:
+                self._restore(layer, saved[layer.name])
+                for n in fitted_now[layer.name]:
+                    changed[layer.name].pop(n, None)
+        logger.info(
+            f"REAP post-cut fit: {component} "
+            + (
+                f"{'kept' if kept else 'DROPPED (no better than without it)'}: "
+                f"held-out KL {kl_now:.5g} -> {kl_after:.5g} nats/token"
+                if kl_after is not None
+                else "kept without validation"
+            )
+            + f"; tensors per layer: {', '.join(names) or 'none'}"
+        )
+        return {
+            "name": component,
+            "kept": kept,
+            "kl_before": kl_now,
+            "kl_after": kl_after,
+            "tensors": names,
+        }
 
     # -- per component ----------------------------------------------------------------
 

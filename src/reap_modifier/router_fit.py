@@ -344,6 +344,9 @@ def fit_block(
         current tensors when no step lowered the held-out loss) and the fit's record;
         the layer itself is left unchanged
     :raises RouterFitError: the shapes disagree
+
+    (Over 80 lines: the Adam loop, its held-out early stopping and the final record read
+    best as one piece.)
     """
     if inputs.dim() != 2 or inputs.shape != targets.shape or inputs.shape[0] < 2:
         raise RouterFitError(
