@@ -28,35 +28,8 @@ renormalised, scaled) is checked against the router's own choice on every fittin
 before the search starts; the losses reported are computed with the block's own router
 and forward.
 
-Why not a straight-through estimator (``benchmarks/bias_fit_methods.py``): Adam on the
-bias, hard selection forward, backward through a soft mask
-``sigmoid((scores + bias - boundary) / T)`` (boundary midway between the k-th selected and
-the best unselected value, ``T`` a multiple of the median gap; weights renormalised and
-scaled as the router does; the gradient's mean removed, since a uniform shift never
-changes the selection and Adam otherwise moves every entry alike; every kept expert's
-output cached on every token, which the surrogate needs), same held-out early stopping,
-100 steps. Held-out layer-local error (bias fit alone, no router fit; coordinate search
-with 4 sweeps):
-
-======================================  ======  ==================  ============  ==========
-layer                                   cut     coordinate search   STE T = 0.3   STE T = 1
-======================================  ======  ==================  ============  ==========
-tiny Kimi K3, 4 groups / 2, layer 1     0.732   **0.595**           0.678         0.732
-tiny Kimi K3, 4 groups / 2, layer 2     0.533   0.501               0.469         **0.458**
-tiny DeepSeek-V3, 4 / 2, layer 1        1.199   **1.059**           1.153         1.077
-tiny DeepSeek-V3, 4 / 2, layer 2        0.923   0.905               0.889         **0.886**
-bundled K3, REAP 50 %, layer 0          0.108   **0.102**           0.107         0.106
-bundled K3, REAP 50 %, layer 1          0.209   **0.174**           0.183         0.174
-bundled K3, REAP 50 %, layer 2          0.209   **0.156**           0.181         0.166
-bundled K3, REAP 50 %, layer 3          0.254   **0.184**           0.225         0.206
-======================================  ======  ==================  ============  ==========
-
-(tiny: 16 -> 8 experts, top-4, 512 random tokens; bundled: 64 -> 32 experts, top-8,
-6144 calibration tokens of en + zh + code.) Coordinate search is lower on 6 of 8 layers
-and on all four of the bundled model; the STE depends on its temperature (no single ``T``
-is best everywhere) and needs every expert on every token: ``E / k`` block passes of
-expert compute up front and ``[N, E, latent]`` memory, at K3's scale (N = 4096, E = 448,
-latent 3584, bf16) 13 GB per layer, against ``[N, k, latent]`` here.
+Why coordinate search and not a straight-through estimator (measured on tiny models and
+the bundled model, ``benchmarks/bias_fit_methods.py``): docs/router-calibration.md.
 
 Cost (E experts kept, top-k, N tokens; one block evaluation = the block's forward on the
 N tokens): a sweep tries ``2 * (1/16 + 1/4 + 1) * N k / E`` token changes per expert

@@ -39,7 +39,7 @@ from .models import MoEArchitecture, find_moe_architecture
 from .models.loading import register_kimi_auto_classes
 from .models.refusals import check_prunable
 from .outputs import ModifierOutputs
-from .post_cut import COMPONENTS, FitSettings, PostCutFit, _attached, check_post_cut_request
+from .post_cut import FitSettings, PostCutFit, check_post_cut_request
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
 from .scores.keep_count import KeepCount, PlanError, compute_keep_count
 from .scores.plan import PruningPlan
@@ -436,34 +436,17 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
     # -- router calibration ------------------------------------------------------------
 
     def _check_post_cut(self, state: State) -> None:
-        """Refuse what the post-cut fits cannot do, before any model work."""
-        components = [
-            c
-            for c, on in zip(
-                COMPONENTS, (self.calibrate_router, self.calibrate_bias, self.compensate)
-            )
-            if on
-        ]
-        check_post_cut_request(state, self._arch, components, self._fit_fields(), type(self))
-        self._post_cut = PostCutFit(
-            self._arch,
-            FitSettings(
-                components=components,
-                tokens=self.router_fit_tokens,
-                router_steps=self.router_fit_steps,
-                router_lr=self.router_fit_lr,
-                dense_steps=self.compensation_steps,
-                dense_lr=self.compensation_lr,
-                validate=self.validate_fit,
-                spill_dir=self.fit_spill_dir,
-                batches=_batches(state),
-            ),
+        """Refuse what the post-cut step cannot do, before any model work."""
+        settings = FitSettings.from_recipe(self, batches=_batches(state))
+        check_post_cut_request(
+            state, self._arch, settings.components, self._fit_fields(), type(self)
         )
+        self._post_cut = PostCutFit(self._arch, settings)
 
     def _fit_routers(self, model: torch.nn.Module) -> None:
         """The post-cut step: apply the cut (deferred until every MoE block's unpruned
-        inputs and outputs were captured), then fit and validate each component
-        (:mod:`.post_cut`)."""
+        inputs and outputs were captured; a block-error selection re-chooses its experts
+        first), then fit and validate each component (:mod:`.post_cut`)."""
         post_cut = self._post_cut
         if self._capture is None or self._deferred_plan is None or post_cut is None:
             return
@@ -477,20 +460,7 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
             packed.attach()
             return packed
 
-        def apply_cut(rows) -> None:
-            chosen = plan
-            if self.selection == "block_error":
-                with _attached(overlay()):
-                    chosen = post_cut.select(
-                        plan,
-                        self._ranking or {},
-                        rows,
-                        candidates=self.selection_candidates,
-                        drops=self.selection_drops,
-                    )
-            self._apply(model, chosen)
-
-        post_cut.run(model, apply_cut, overlay)
+        post_cut.run(model, plan, self._ranking or {}, lambda p: self._apply(model, p), overlay)
         self._router_fit = post_cut.record
         self._fitted_tensors = post_cut.tensors
         if distributed.is_source_process():

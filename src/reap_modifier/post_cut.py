@@ -32,6 +32,7 @@ from loguru import logger
 
 from .calibration.block_io import BlockIOCapture
 from .compensation import compensate, compensation_problem, dense_params
+from .fit_validation import ValidationSet
 from .models import MoEArchitecture, MoELayer
 from .router_fit import (
     FIT_METHOD,
@@ -72,6 +73,29 @@ class FitSettings:
     spill_dir: str | None = None
     #: calibration batches oneshot will run (``None``: unknown)
     batches: int | None = None
+    #: ``"block_error"``: re-choose the kept experts before the fits
+    selection: str = "saliency"
+    selection_candidates: int | None = 64
+    selection_drops: int = 1
+
+    @classmethod
+    def from_recipe(cls, recipe, batches: int | None) -> FitSettings:
+        """The settings a ``REAPPruningModifier`` asks for."""
+        on = (recipe.calibrate_router, recipe.calibrate_bias, recipe.compensate)
+        return cls(
+            components=[c for c, wanted in zip(COMPONENTS, on, strict=True) if wanted],
+            tokens=recipe.router_fit_tokens,
+            router_steps=recipe.router_fit_steps,
+            router_lr=recipe.router_fit_lr,
+            dense_steps=recipe.compensation_steps,
+            dense_lr=recipe.compensation_lr,
+            validate=recipe.validate_fit,
+            spill_dir=recipe.fit_spill_dir,
+            batches=batches,
+            selection=recipe.selection,
+            selection_candidates=recipe.selection_candidates,
+            selection_drops=recipe.selection_drops,
+        )
 
     @property
     def holdout_every(self) -> int | None:
@@ -168,83 +192,6 @@ def check_post_cut_request(
             )
 
 
-class ValidationSet:
-    """Held-out calibration batches and the unpruned model's log-probabilities on them."""
-
-    def __init__(self, batches: list[dict[str, torch.Tensor]]):
-        self.batches = batches
-        self._reference: list[torch.Tensor] = []
-
-    @property
-    def tokens(self) -> int:
-        return sum(int(_valid(b).sum()) for b in self.batches)
-
-    def _log_probs(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
-        device = _device_of(model)
-        kwargs = {k: v.to(device) for k, v in batch.items()}
-        logits = _logits(model, kwargs)
-        return torch.log_softmax(logits.float(), dim=-1)[_valid(batch).to(logits.device)].cpu()
-
-    def record_reference(self, model: torch.nn.Module) -> None:
-        """The unpruned model's log-probabilities (call before the cut)."""
-        self._reference = [self._log_probs(model, b) for b in self.batches]
-
-    def kl(self, model: torch.nn.Module) -> float:
-        """Mean ``KL(unpruned || model)`` per held-out token, in nats."""
-        total, count = 0.0, 0
-        for batch, ref in zip(self.batches, self._reference, strict=True):
-            now = self._log_probs(model, batch)
-            total += (ref.exp() * (ref - now)).sum().item()
-            count += ref.shape[0]
-        return total / max(count, 1)
-
-
-def _logits(model: torch.nn.Module, kwargs: dict) -> torch.Tensor:
-    """The model's logits on one batch.
-
-    Workaround, upstream: llm-compressor's sequential pipeline runs the whole
-    calibration, ``CALIBRATION_END`` included, under ``disable_lm_head``, which makes the
-    LM head return meta tensors; the post-cut step validates at calibration end, so when
-    the logits come back on the meta device they are computed here from the LM head's
-    input and its own weight (onloaded if offloaded)."""
-    from compressed_tensors import align_module_device
-
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    seen: list[torch.Tensor] = []
-    handle = (
-        head.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
-        if isinstance(head, torch.nn.Linear)
-        else None
-    )
-    try:
-        with torch.no_grad():
-            logits = model(**kwargs, use_cache=False).logits
-            if logits.is_meta and seen:
-                with align_module_device(head):
-                    logits = torch.nn.functional.linear(seen[-1], head.weight, head.bias)
-    finally:
-        if handle is not None:
-            handle.remove()
-    if logits.is_meta:
-        raise RuntimeError("the post-cut validation got no logits from the model (meta LM head)")
-    return logits
-
-
-def _valid(batch: dict) -> torch.Tensor:
-    mask = batch.get("attention_mask")
-    ids = batch["input_ids"]
-    return mask.bool() if isinstance(mask, torch.Tensor) else torch.ones_like(ids, dtype=torch.bool)
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    from llmcompressor.utils.dev import get_main_device
-
-    try:
-        return get_main_device()
-    except Exception:  # pragma: no cover - no accelerator helper
-        return next(model.parameters()).device
-
-
 class PostCutFit:
     """Drives the post-cut components for one modifier (see the module docstring).
 
@@ -275,12 +222,13 @@ class PostCutFit:
     def run(
         self,
         model: torch.nn.Module,
-        apply_cut: Callable[[dict], None],
+        plan: PruningPlan,
+        ranking: dict[str, torch.Tensor],
+        apply_plan: Callable[[PruningPlan], None],
         overlay: Callable[[], object | None],
     ) -> None:
-        """Cut (``apply_cut``, given each layer's captured ``(inputs, outputs)``, so that a
-        block-error selection can choose the kept experts first), then fit and validate
-        each component.
+        """Cut (``apply_plan``; with ``selection: block_error`` the plan's experts re-chosen
+        first, ``ranking`` ordering the candidates), then fit and validate each component.
 
         :param overlay: makes a packed model computable for the duration of a fit
             (returns an attached object with ``detach``, or ``None``)
@@ -296,7 +244,7 @@ class PostCutFit:
             )
         if not s.components:
             rows = {n: capture.take(n) for n in self.arch.layer_names}
-            apply_cut(rows)
+            self._cut(model, plan, ranking, rows, apply_plan, overlay)
             self.record = {
                 "method": None,
                 "tokens": s.tokens,
@@ -323,7 +271,7 @@ class PostCutFit:
             if validation is not None:
                 validation.record_reference(model)
         rows = {n: capture.take(n) for n in self.arch.layer_names}
-        apply_cut(rows)
+        self._cut(model, plan, ranking, rows, apply_plan, overlay)
         components, layers = [], {n: {} for n in self.arch.layer_names}
         changed: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.arch.layer_names}
         with _attached(overlay()):
@@ -356,6 +304,19 @@ class PostCutFit:
             "layers": {n: rec.get("router", {}) for n, rec in layers.items()},
             "component_layers": layers,
         }
+
+    def _cut(self, model, plan, ranking, rows, apply_plan, overlay) -> None:
+        s = self.settings
+        if s.selection == "block_error":
+            with _attached(overlay()):
+                plan = self.select(
+                    plan,
+                    ranking,
+                    rows,
+                    candidates=s.selection_candidates,
+                    drops=s.selection_drops,
+                )
+        apply_plan(plan)
 
     def select(
         self,

@@ -25,7 +25,6 @@ the model call, or of the pipeline's cached batch
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch
 
 from .. import registries
 from ..models import MoEArchitecture
-from .tokens import BatchTokenTracker
+from .tokens import BatchTokenTracker, call_arguments
 
 __all__ = ["BlockIOCapture"]
 
@@ -118,22 +117,12 @@ class BlockIOCapture:
     # -- hooks ------------------------------------------------------------------------
 
     def _attach_model(self, model: torch.nn.Module) -> None:
-        try:
-            signature = inspect.signature(model.forward)
-        except (TypeError, ValueError):
-            signature = None
+        arguments = call_arguments(model)
 
         def pre(module, args, kwargs):
             index, self._model_calls = self._model_calls, self._model_calls + 1
-            if not self.held_out(index):
-                return
-            bound = dict(kwargs)
-            if args and signature is not None:
-                try:
-                    bound = dict(signature.bind_partial(*args, **kwargs).arguments)
-                except TypeError:
-                    pass
-            self._keep_inputs(index, bound)
+            if self.held_out(index):
+                self._keep_inputs(index, arguments(args, kwargs))
 
         self._register(model, pre, "forward_pre", with_kwargs=True)
 

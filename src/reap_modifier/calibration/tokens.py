@@ -24,7 +24,7 @@ import torch
 
 from .. import registries
 
-__all__ = ["BatchTokenTracker", "BatchTokens", "batch_tokens"]
+__all__ = ["BatchTokenTracker", "BatchTokens", "batch_tokens", "call_arguments"]
 
 
 @dataclass
@@ -56,6 +56,25 @@ def batch_tokens(input_ids: Any = None, attention_mask: Any = None) -> BatchToke
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
         return BatchTokens(input_ids.shape[0], input_ids.numel())
     return None
+
+
+def call_arguments(model: torch.nn.Module) -> Callable[[tuple, dict], dict]:
+    """``(args, kwargs) -> {name: value}`` of a call of ``model`` (positional arguments
+    named by its ``forward``'s signature where it can be read)."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        signature = None
+
+    def bind(args: tuple, kwargs: dict) -> dict:
+        if args and signature is not None:
+            try:
+                return dict(signature.bind_partial(*args, **kwargs).arguments)
+            except TypeError:
+                pass
+        return dict(kwargs)
+
+    return bind
 
 
 class BatchTokenTracker:
@@ -113,18 +132,10 @@ class BatchTokenTracker:
         return None
 
     def _attach_model(self, model: torch.nn.Module, register_hook: Callable[..., Any]) -> None:
-        try:
-            signature = inspect.signature(model.forward)
-        except (TypeError, ValueError):
-            signature = None
+        arguments = call_arguments(model)
 
         def pre(module, args, kwargs):
-            bound = dict(kwargs)
-            if args and signature is not None:
-                try:
-                    bound = dict(signature.bind_partial(*args, **kwargs).arguments)
-                except TypeError:
-                    pass
+            bound = arguments(args, kwargs)
             self.call = batch_tokens(bound.get("input_ids"), bound.get("attention_mask"))
             if self._on_input_ids is not None:
                 self._on_input_ids(bound.get("input_ids"))
