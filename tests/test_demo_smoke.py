@@ -300,7 +300,7 @@ def test_router_fit_rows(demo_run):
             assert pr[name]["kept"] == pr[alone]["kept"], name
         fit = pr[name]["router_fit"]
         assert fit and fit["tokens"] > 0 and set(fit["layers"]) == set(pr[name]["kept"])
-        differs = pr[name]["verify"]["differs_from_source"]
+        differs = pr[name]["verify"]["differs_from_source"] or {}
         kept = [c for c in fit["components"] if c["kept"]]
         assert [c["name"] for c in fit["components"]] == (
             ["router", "bias", "dense"]
@@ -309,7 +309,9 @@ def test_router_fit_rows(demo_run):
             if "_comp" in name
             else ["router"]
         )
-        assert bool(differs) == bool(kept), name
+        # a kept component's tensors differ from the source unless its change rounds away in
+        # the checkpoint's dtype; a dropped one's never do
+        assert kept or not differs, name
         for tensor in differs:
             layer = next(x for x in pr[name]["kept"] if tensor.startswith(x + "."))
             assert tensor.removeprefix(layer + ".") in {t for c in kept for t in c["tensors"]}
