@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import reap_modifier  # noqa: F401  registers REAPPruningModifier and the kimi_k3 auto classes
+from reap_modifier.models.moe_fields import moe_fields
 
 VOCAB = 256
 
@@ -101,7 +102,7 @@ def main(out: Path) -> None:
         output_dir=str(dst),
     )
     reloaded = KimiK3ForConditionalGeneration.from_pretrained(dst)
-    print(f"experts per MoE layer after pruning: {reloaded.config.text_config.num_experts}")
+    print(f"experts per MoE layer after pruning: {moe_fields(reloaded.config).num_experts}")
     manifest = json.loads((dst / "pruning_manifest.json").read_text())
     print(f"mean retained saliency mass: {manifest['retained_saliency_mass_mean']:.3f}")
 
