@@ -117,6 +117,8 @@ METHODS: tuple[Method, ...] = (
 )  # fmt: skip
 #: the method every other is compared against (paired differences, overlap, the report's losses)
 HEADLINE_METHOD = "reap_en_zh_code"
+#: the best of ours: every baseline is paired against it (NLL and KL)
+BEST_METHOD = "block_error_comp"
 #: the methods that rank without REAP saliency
 BASELINES: tuple[str, ...] = tuple(m.name for m in METHODS if m.role == "baseline")
 #: calibration parts the router fit of each calibration mix draws on (``router_fit_tokens`` in all,

@@ -11,7 +11,7 @@ from .config import METHODS
 from .records import Results, read_results
 from .report_flips import flips_section
 from .report_generations import degeneration_section, generations_section
-from .report_quality import quality_section, router_fit_section, summary_quality
+from .report_quality import best_section, quality_section, router_fit_section, summary_quality
 from .report_tables import FLIPS_IN_SUMMARY, flip_table, paired_nll_table, reap_losses
 
 
@@ -24,6 +24,7 @@ def render_report(results: dict) -> str:
         _calibration,
         quality_section,
         router_fit_section,
+        best_section,
         degeneration_section,
         flips_section,
         _checkpoints,
@@ -177,4 +178,5 @@ def summary_tables(results: dict) -> str:
         *paired_nll_table(res),
     ]
     lines += router_fit_section(res)
+    lines += best_section(res)
     return "\n".join(lines) + "\n"

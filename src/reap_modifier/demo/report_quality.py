@@ -5,7 +5,7 @@ one-row-per-model table."""
 from __future__ import annotations
 
 from ..analysis.formatting import pct
-from .config import LANGS, REFERENCE
+from .config import BASELINES, BEST_METHOD, LANGS, REFERENCE, method_base
 from .provenance import describe as describe_corpora
 from .records import Results
 from .report_tables import fmt, is_fit, paired_nll_table, reap_losses
@@ -123,7 +123,7 @@ def router_fit_section(res: Results) -> list[str]:
             else:
                 missed.append(f"{alone.label} {lang}")
             lines.append(
-                f"| {alone.label} | {_fit_name(fitted.label)} |"
+                f"| {alone.label} | {_fit_name(fitted.label, alone.label)} |"
                 f" {fitted.pruned.fit.kept} |"
                 f" {fitted.pruned.fit.tokens:,} | {lang} | {fmt(ka, 4)} | {fmt(kb, 4)} |"
                 f" {100 * change:+.1f}% |"
@@ -152,11 +152,57 @@ def router_fit_section(res: Results) -> list[str]:
     return lines
 
 
-def _fit_name(label: str) -> str:
-    """``REAP(en) + router fit 75%`` -> ``router fit``."""
-    part = label.split(" + ", 1)[-1]
-    head, _, tail = part.rpartition(" ")
-    return head if head and tail.endswith("%") else part
+def _untagged(label: str) -> str:
+    """A label without its sparsity tag (``REAP(en) 75%`` -> ``REAP(en)``)."""
+    head, _, tail = label.rpartition(" ")
+    return head if head and tail.endswith("%") else label
+
+
+def _fit_name(label: str, cut: str) -> str:
+    """``REAP(en) + router fit 75%`` of the cut ``REAP(en) 75%`` -> ``router fit``."""
+    return _untagged(label).removeprefix(_untagged(cut) + " + ")
+
+
+def best_section(res: Results) -> list[str]:
+    """The best of ours (:data:`BEST_METHOD`) against every baseline: KL per language, paired
+    per window, and whether it wins beyond two standard errors."""
+    best = _best_label(res)
+    rows = [
+        p
+        for p in res.paired
+        if _untagged(res.model(p.b).label) == best and method_base(p.a) in BASELINES
+    ]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## The best of ours against every baseline",
+        "",
+        f"{_best_label(res)} against each baseline at the same sparsity: KL(unpruned || model) per"
+        " language, and the paired difference best minus baseline (mean +- standard error over"
+        " windows; negative: ours is closer to the unpruned model).",
+        "",
+        "| baseline | language | KL baseline | KL ours | dKL +- SE | beyond 2 SE |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    wins = 0
+    for p in rows:
+        base, best = res.model(p.a), res.model(p.b)
+        for lang in LANGS:
+            d = p.kl[lang]
+            won = d.mean + 2 * d.se < 0
+            wins += won
+            lines.append(
+                f"| {base.label} | {lang} | {fmt(base.quality[lang].kl, 4)} |"
+                f" {fmt(best.quality[lang].kl, 4)} | {d.mean:+.4f} +- {fmt(d.se, 4)} |"
+                f" {'yes' if won else 'no'} |"
+            )
+    lines += ["", f"Wins beyond two standard errors: {wins} of {len(rows) * len(LANGS)}."]
+    return lines
+
+
+def _best_label(res: Results) -> str | None:
+    return next((_untagged(m.label) for m in res.models if m.name == BEST_METHOD), None)
 
 
 def summary_quality(res: Results) -> list[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..reporting import jsonable
 from .calibrate import Calibration
 from .comparison import Comparison
-from .config import HEADLINE_METHOD, LANGS, METHODS, RANKINGS, DemoConfig
+from .config import BEST_METHOD, HEADLINE_METHOD, LANGS, METHODS, RANKINGS, DemoConfig
 from .inputs import Inputs
 from .provenance import compare_corpora, corpus_manifest
 from .prune import Pruning
@@ -24,7 +24,8 @@ def paired_rows(names) -> list[tuple[str, str, tuple[str, ...]]]:
     """``(first, second, metrics)`` of every paired difference among the models ``names``, at
     every sparsity the job ran (the job's first, then each ``_<percent>`` suffix): consecutive
     REAP calibration mixes (NLL), each other non-fit method against :data:`HEADLINE_METHOD`
-    (NLL), and each cut against the same cut with its routers fitted (NLL and KL)."""
+    (NLL), each cut against the same cut with its post-cut fit (NLL and KL), and each baseline
+    against :data:`BEST_METHOD` (NLL and KL)."""
     names = set(names)
     suffixes = [""] + sorted(
         {"_" + n.rsplit("_", 1)[1] for n in names if n.rsplit("_", 1)[-1].isdigit()}
@@ -37,6 +38,7 @@ def paired_rows(names) -> list[tuple[str, str, tuple[str, ...]]]:
         if m.role != "fit" and m.name != HEADLINE_METHOD
     ]
     rows += [(m.fit_of, m.name, ("nll", "kl")) for m in METHODS if m.role == "fit"]
+    rows += [(m.name, BEST_METHOD, ("nll", "kl")) for m in METHODS if m.role == "baseline"]
     out: list[tuple[str, str, tuple[str, ...]]] = []
     for sfx in suffixes:
         for a, b, metrics in rows:
