@@ -108,3 +108,36 @@ class CalibrationSetup:
     def _release_packed(self) -> None:
         if self._packed is not None:
             self._packed.detach()
+
+
+def sample_positions(loader, group) -> dict:
+    """Where this rank's calibration samples stand in the order one process calibrates in:
+    ``{"position": local index -> position, "samples": all ranks' samples, "batch_size"}``
+    (the post-cut step keys its captured rows by position, so data parallel fits what one
+    process fits). One process: the identity. Every rank given the same dataset (split by
+    :class:`~reap_modifier.compat.RankShareSampler`): rank ``r`` of ``W`` holds positions
+    ``r, r + W, ...``. Each rank its own dataset: rank-major, as one process over the
+    datasets concatenated in rank order. Collective under data parallel."""
+    from .compat import RankShareSampler
+
+    batch_size = getattr(loader, "batch_size", None) or 1
+    sampler = getattr(loader, "sampler", None)
+    try:
+        local = len(sampler) if sampler is not None else len(loader) * batch_size
+    except TypeError:
+        return {"position": None, "samples": None, "batch_size": batch_size}
+    if group is None:
+        return {"position": None, "samples": local, "batch_size": batch_size}
+    if isinstance(sampler, RankShareSampler):
+        world, rank = sampler.world_size, sampler.rank
+        return {
+            "position": lambda i: i * world + rank,
+            "samples": sampler.num_selected,
+            "batch_size": batch_size,
+        }
+    import torch.distributed as dist
+
+    counts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(counts, local, group=group)
+    offset = sum(counts[: dist.get_rank(group)])
+    return {"position": lambda i: offset + i, "samples": sum(counts), "batch_size": batch_size}

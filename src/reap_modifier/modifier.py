@@ -31,7 +31,7 @@ from .calibration.packed import (
 )
 from .calibration.progress import LayerProgress
 from .calibration.routed_only import calibrate_all_experts, set_calibrate_all_experts
-from .calibration_setup import CalibrationSetup
+from .calibration_setup import CalibrationSetup, sample_positions
 from .checkpoint.saved_config import fix_saved_expert_counts
 from .decision import CutDecision
 from .layerwise import LayerwiseCut
@@ -279,6 +279,9 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
             self._check_post_cut(state)
         self._cpu_group = distributed.make_cpu_group()
         if self.fits_after_cut:
+            self._post_cut.locate_samples(
+                sample_positions(state.data.calib, self._cpu_group), self._cpu_group
+            )
             self._capture = self._post_cut.make_capture(self.register_hook, state.model)
         if self.plan_in is not None:
             plan = PruningPlan.load(self.plan_in)
@@ -437,7 +440,7 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
 
     def _check_post_cut(self, state: State) -> None:
         """Refuse what the post-cut step cannot do, before any model work."""
-        settings = FitSettings.from_recipe(self, batches=_batches(state))
+        settings = FitSettings.from_recipe(self)
         check_post_cut_request(
             state, self._arch, settings.components, self._fit_fields(), type(self)
         )
@@ -529,11 +532,3 @@ def _register() -> None:
 
 
 _register()
-
-
-def _batches(state: State) -> int | None:
-    """How many batches the calibration dataloader holds (``None`` when it cannot tell)."""
-    try:
-        return len(state.data.calib)
-    except TypeError:
-        return None

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from loguru import logger
 
-from .calibration.block_io import BlockIOCapture
+from .calibration import distributed
+from .calibration.block_io import BlockIOCapture, join_chunks
 from .compensation import compensate, compensation_problem, dense_params
 from .fit_validation import ValidationSet
 from .models import MoEArchitecture, MoELayer
@@ -71,15 +72,19 @@ class FitSettings:
     dense_lr: float
     validate: bool = True
     spill_dir: str | None = None
-    #: calibration batches oneshot will run (``None``: unknown)
-    batches: int | None = None
+    #: calibration samples one process would run (all ranks together; ``None``: unknown)
+    samples: int | None = None
+    #: samples per calibration batch
+    batch_size: int = 1
+    #: this rank's sample -> its position in one process's order (``None``: the same)
+    position: Callable[[int], int] | None = None
     #: ``"block_error"``: re-choose the kept experts before the fits
     selection: str = "saliency"
     selection_candidates: int | None = 64
     selection_drops: int = 1
 
     @classmethod
-    def from_recipe(cls, recipe, batches: int | None) -> FitSettings:
+    def from_recipe(cls, recipe, **data) -> FitSettings:
         """The settings a ``REAPPruningModifier`` asks for."""
         on = (recipe.calibrate_router, recipe.calibrate_bias, recipe.compensate)
         return cls(
@@ -91,7 +96,7 @@ class FitSettings:
             dense_lr=recipe.compensation_lr,
             validate=recipe.validate_fit,
             spill_dir=recipe.fit_spill_dir,
-            batches=batches,
+            **data,
             selection=recipe.selection,
             selection_candidates=recipe.selection_candidates,
             selection_drops=recipe.selection_drops,
@@ -102,9 +107,10 @@ class FitSettings:
         """Every how many calibration batches one is held out (``None``: no validation)."""
         if not self.validate:
             return None
-        if self.batches is None:
+        if self.samples is None:
             return HOLDOUT_EVERY_BATCH
-        return min(HOLDOUT_EVERY_BATCH, self.batches) if self.batches >= 2 else None
+        batches = -(-self.samples // self.batch_size)
+        return min(HOLDOUT_EVERY_BATCH, batches) if batches >= 2 else None
 
     extra: dict = field(default_factory=dict)
 
@@ -146,8 +152,6 @@ def check_post_cut_request(
     from compressed_tensors.utils import match_named_modules
     from llmcompressor.core import active_session
 
-    from .calibration import distributed
-
     for component in components:
         problems = component_problems(component, arch.layers)
         if problems:
@@ -163,9 +167,14 @@ def check_post_cut_request(
             f"(num_calibration_samples > 0) or remove {fields}"
         )
     if distributed.world_size() > 1:
+        # llm-compressor's data-parallel offload keeps one copy of the weights in memory
+        # shared by the ranks (compressed-tensors' distributed CPU cache), and the fits
+        # write into it: every rank fitting at once would mix their writes
         raise ValueError(
-            f"{fields} does not run under data parallel yet (each rank would fit "
-            "different tensors); run it in one process"
+            f"{fields} does not run under data parallel yet: the ranks share one copy of "
+            "the weights, and the post-cut step does not yet sequence its writes between "
+            "them; run it in one process (calibrate with torchrun, save the scores, then "
+            "cut and fit with scores_in in one process)"
         )
     recipe = active_session().lifecycle.recipe
     fitted = {
@@ -205,7 +214,21 @@ class PostCutFit:
         self.capture: BlockIOCapture | None = None
         self.record: dict | None = None
         self.selection: dict | None = None
+        #: the CPU process group under data parallel (``None``: one process)
+        self.group = None
         self.tensors: dict[str, dict[str, torch.Tensor]] = {}
+
+    def locate_samples(self, located: dict, group) -> None:
+        """Where this rank's samples stand in one process's order
+        (:func:`~reap_modifier.calibration_setup.sample_positions`), and the process group
+        whose ranks' rows are gathered before the fits."""
+        s = self.settings
+        s.position, s.samples, s.batch_size = (
+            located["position"],
+            located["samples"],
+            located["batch_size"],
+        )
+        self.group = group
 
     def make_capture(self, register_hook, model: torch.nn.Module) -> BlockIOCapture:
         s = self.settings
@@ -216,6 +239,8 @@ class PostCutFit:
             model=model,
             holdout_every=s.holdout_every,
             spill_dir=s.spill_dir,
+            position=s.position,
+            batch_size=s.batch_size,
         )
         return self.capture
 
@@ -236,14 +261,20 @@ class PostCutFit:
 
         capture, s = self.capture, self.settings
         capture.detach()
-        empty = [n for n in self.arch.layer_names if capture.tokens(n) < 2]
+        # data parallel: every rank gathers every rank's rows and held-out samples, in the
+        # order one process records them, and runs the same fits on them
+        rows = {
+            n: join_chunks(_gathered(capture.chunks(n), self.group), s.tokens)
+            for n in self.arch.layer_names
+        }
+        held = sorted(_gathered(capture.validation_samples(), self.group), key=lambda h: h[0])
+        empty = [n for n, (x, _) in rows.items() if x.shape[0] < 2]
         if empty:
             raise RuntimeError(
                 f"the post-cut fit captured no calibration tokens for {empty[0]}: no "
                 "calibration data reached the MoE layers (num_calibration_samples > 0)"
             )
         if not s.components:
-            rows = {n: capture.take(n) for n in self.arch.layer_names}
             self._cut(model, plan, ranking, rows, apply_plan, overlay)
             self.record = {
                 "method": None,
@@ -259,7 +290,7 @@ class PostCutFit:
             "(fitted on English only, Chinese KL rose 32-43% on the bundled model); "
             "calibrate on every language the model serves"
         )
-        validation = ValidationSet(capture.validation_batches()) if s.validate else None
+        validation = ValidationSet([inputs for _, inputs in held]) if s.validate else None
         if validation is not None and not validation.batches:
             logger.warning(
                 "REAP post-cut fit: no held-out calibration batch reached the model "
@@ -270,7 +301,6 @@ class PostCutFit:
         with _attached(overlay()):
             if validation is not None:
                 validation.record_reference(model)
-        rows = {n: capture.take(n) for n in self.arch.layer_names}
         self._cut(model, plan, ranking, rows, apply_plan, overlay)
         components, layers = [], {n: {} for n in self.arch.layer_names}
         changed: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.arch.layer_names}
@@ -464,6 +494,17 @@ class PostCutFit:
         for name, tensor in saved.items():
             path, _, attr = name.rpartition(".")
             update_offload_parameter(layer.block.get_submodule(path), attr, tensor)
+
+
+def _gathered(items: list, group) -> list:
+    """Every rank's ``items``, concatenated in rank order (``items`` alone without a group)."""
+    if group is None:
+        return list(items)
+    import torch.distributed as dist
+
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, list(items), group=group)
+    return [item for part in parts for item in part]
 
 
 class _attached:

@@ -12,11 +12,16 @@ layer (Kimi K3, 4,096 tokens in bf16: 117 MB a layer, 10.8 GB for 92 layers); wi
 ``spill_dir`` the rows go to disk as they are recorded and are read back one layer at a
 time (the fit then holds one layer's rows).
 
-With ``holdout_every = k`` every k-th calibration batch (index ``k-1``, ``2k-1``, ...) is
-held out: its rows are never recorded, and its model inputs (``input_ids``,
-``attention_mask``) are kept so that :mod:`reap_modifier.post_cut` can judge each fitted
-component end to end on text no fit has seen. The inputs come from the model's own call
-(basic pipeline) or the sequential pipeline's batch cache (:mod:`reap_modifier.registries`).
+Rows are kept per calibration sample, keyed by the sample's *position*: its index in the
+order one process calibrates in (``position(local index)``; under data parallel the
+modifier maps each rank's samples to those positions), so that the rows of every rank,
+gathered and sorted by position, are the rows one process records. With
+``holdout_every = k`` every sample of every k-th batch of that order (batch ``position //
+batch_size``) is held out: its rows are never recorded, and its model inputs
+(``input_ids``, ``attention_mask``) are kept so that :mod:`reap_modifier.post_cut` can judge
+each fitted component end to end on text no fit has seen. The inputs come from the model's
+own call (basic pipeline) or the sequential pipeline's batch cache
+(:mod:`reap_modifier.registries`).
 
 Padding rows are told apart as the saliency observer does: by the attention mask of
 the model call, or of the pipeline's cached batch
@@ -36,13 +41,14 @@ from .. import registries
 from ..models import MoEArchitecture
 from .tokens import BatchTokenTracker, call_arguments
 
-__all__ = ["BlockIOCapture"]
+__all__ = ["BlockIOCapture", "join_chunks"]
 
 _MODEL_INPUTS = ("input_ids", "attention_mask")
 
 
 class BlockIOCapture:
-    """Records, per MoE block, the first ``max_tokens`` (input, output) rows it computes.
+    """Records, per MoE block, the first ``max_tokens`` (input, output) rows it computes,
+    per sample, keyed by the sample's position.
 
     :param arch: the located MoE architecture (unpruned)
     :param register_hook: ``HooksMixin.register_hook`` of the owning modifier
@@ -50,6 +56,8 @@ class BlockIOCapture:
     :param model: the top module, whose calls carry the attention mask
     :param holdout_every: hold out every k-th calibration batch (``None``: none)
     :param spill_dir: write the rows there as they are recorded instead of holding them
+    :param position: local sample index -> position in one process's order (identity)
+    :param batch_size: samples per batch of one process's order
     """
 
     def __init__(
@@ -60,18 +68,22 @@ class BlockIOCapture:
         model: torch.nn.Module | None = None,
         holdout_every: int | None = None,
         spill_dir: str | Path | None = None,
+        position: Callable[[int], int] | None = None,
+        batch_size: int = 1,
     ):
         self.arch = arch
         self.max_tokens = int(max_tokens)
         self.holdout_every = holdout_every
         self.spill_dir = Path(spill_dir) if spill_dir is not None else None
+        self.position = position or (lambda i: i)
+        self.batch_size = max(int(batch_size), 1)
         self._register = register_hook
         self._model = model
-        self._inputs: dict[str, list] = {n: [] for n in arch.layer_names}
-        self._outputs: dict[str, list] = {n: [] for n in arch.layer_names}
+        #: per block: ``(position, x, y)`` or ``(position, spilled file)`` per sample
+        self._chunks: dict[str, list[tuple]] = {n: [] for n in arch.layer_names}
         self._count: dict[str, int] = dict.fromkeys(arch.layer_names, 0)
-        self._calls: dict[str, int] = dict.fromkeys(arch.layer_names, 0)
-        self._model_calls = 0
+        self._samples: dict[str, int] = dict.fromkeys(arch.layer_names, 0)
+        self._model_samples = 0
         self._held: dict[int, dict[str, torch.Tensor]] = {}
         self._batches = BatchTokenTracker()
 
@@ -91,28 +103,32 @@ class BlockIOCapture:
     def tokens(self, name: str) -> int:
         return self._count[name]
 
-    def held_out(self, index: int) -> bool:
-        """Whether calibration batch ``index`` is held out from the fits."""
+    def held_out(self, position: int) -> bool:
+        """Whether the sample at ``position`` (one process's order) is held out."""
         k = self.holdout_every
-        return bool(k) and index % k == k - 1
+        return bool(k) and (position // self.batch_size) % k == k - 1
 
-    def validation_batches(self) -> list[dict[str, torch.Tensor]]:
-        """The held-out batches' model inputs (CPU), in batch order."""
-        return [self._held[i] for i in sorted(self._held)]
+    def validation_samples(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """The held-out samples' ``(position, model inputs)`` (CPU, ``[1, T]``)."""
+        return sorted(self._held.items(), key=lambda item: item[0])
+
+    def chunks(self, name: str) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Block ``name``'s recorded ``(position, inputs, outputs)`` per sample, released."""
+        out = []
+        for chunk in self._chunks.pop(name, []):
+            if len(chunk) == 2:
+                from safetensors.torch import load_file
+
+                loaded = load_file(str(chunk[1]))
+                Path(chunk[1]).unlink()
+                chunk = (chunk[0], loaded["x"], loaded["y"])
+            out.append(chunk)
+        return out
 
     def take(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The recorded ``(inputs, outputs)`` of block ``name`` (``[N, H]`` each), released."""
-        xs, ys = self._inputs.pop(name, []), self._outputs.pop(name, [])
-        if not xs:
-            return torch.empty(0), torch.empty(0)
-        if self.spill_dir is not None:
-            from safetensors.torch import load_file
-
-            chunks = [load_file(path) for path in xs]
-            for path in xs:
-                Path(path).unlink()
-            xs, ys = [c["x"] for c in chunks], [c["y"] for c in chunks]
-        return torch.cat(xs), torch.cat(ys)
+        """The recorded ``(inputs, outputs)`` of block ``name`` (``[N, H]`` each) in
+        position order, the first ``max_tokens`` rows, released."""
+        return join_chunks(self.chunks(name), self.max_tokens)
 
     # -- hooks ------------------------------------------------------------------------
 
@@ -120,25 +136,30 @@ class BlockIOCapture:
         arguments = call_arguments(model)
 
         def pre(module, args, kwargs):
-            index, self._model_calls = self._model_calls, self._model_calls + 1
-            if self.held_out(index):
-                self._keep_inputs(index, arguments(args, kwargs))
+            self._model_samples = self._keep_inputs(self._model_samples, arguments(args, kwargs))
 
         self._register(model, pre, "forward_pre", with_kwargs=True)
 
-    def _keep_inputs(self, index: int, batch: dict) -> None:
-        kept = {
-            k: batch[k].detach().to("cpu", copy=True)
-            for k in _MODEL_INPUTS
-            if isinstance(batch.get(k), torch.Tensor)
-        }
-        if "input_ids" in kept:
-            self._held[index] = kept
+    def _keep_inputs(self, first: int, batch: dict) -> int:
+        """Keep the held-out samples of a batch whose first sample has local index
+        ``first``; returns the next batch's first local index."""
+        ids = batch.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            return first
+        mask = batch.get("attention_mask")
+        for j in range(ids.shape[0]):
+            pos = self.position(first + j)
+            if self.held_out(pos):
+                kept = {"input_ids": ids[j : j + 1].detach().to("cpu", copy=True)}
+                if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                    kept["attention_mask"] = mask[j : j + 1].detach().to("cpu", copy=True)
+                self._held[pos] = kept
+        return first + ids.shape[0]
 
     def _on_cached_batches(self, batches: list[dict]) -> None:
-        for index, batch in enumerate(batches):
-            if self.held_out(index):
-                self._keep_inputs(index, batch)
+        first = 0
+        for batch in batches:
+            first = self._keep_inputs(first, batch)
 
     def _valid_rows(self, rows: int) -> torch.Tensor | None:
         tokens = self._batches.current()
@@ -147,29 +168,51 @@ class BlockIOCapture:
         return tokens.valid
 
     def _record(self, name: str, module, args: tuple, output: Any) -> None:
-        index, self._calls[name] = self._calls[name], self._calls[name] + 1
-        room = self.max_tokens - self._count[name]
-        if self.held_out(index) or room <= 0 or not args or not isinstance(args[0], torch.Tensor):
+        if not args or not isinstance(args[0], torch.Tensor):
             return
         hidden = args[0]
+        samples = hidden.shape[0] if hidden.dim() == 3 else 1
+        first, self._samples[name] = self._samples[name], self._samples[name] + samples
+        if self._count[name] >= self.max_tokens:
+            return
         out = output[0] if isinstance(output, tuple) else output
         x = hidden.detach().reshape(-1, hidden.shape[-1])
         y = out.detach().reshape(-1, hidden.shape[-1])
         valid = self._valid_rows(x.shape[0])
-        if valid is not None:
-            keep = valid.to(x.device)
-            x, y = x[keep], y[keep]
-        x, y = x[:room].to("cpu", copy=True), y[:room].to("cpu", copy=True)
-        self._count[name] += x.shape[0]
-        if self.spill_dir is not None:
-            from safetensors.torch import save_file
+        per = x.shape[0] // samples
+        for j in range(samples):
+            pos = self.position(first + j)
+            room = self.max_tokens - self._count[name]
+            if self.held_out(pos) or room <= 0:
+                continue
+            rows = slice(j * per, (j + 1) * per)
+            xs, ys = x[rows], y[rows]
+            if valid is not None:
+                keep = valid[rows].to(x.device)
+                xs, ys = xs[keep], ys[keep]
+            xs, ys = xs[:room].to("cpu", copy=True), ys[:room].to("cpu", copy=True)
+            self._count[name] += xs.shape[0]
+            self._store(name, pos, xs, ys)
 
-            folder = self.spill_dir / name
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / f"{len(self._inputs[name]):06d}.safetensors"
-            save_file({"x": x.contiguous(), "y": y.contiguous()}, str(path))
-            self._inputs[name].append(path)
-            self._outputs[name].append(path)
+    def _store(self, name: str, pos: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.spill_dir is None:
+            self._chunks[name].append((pos, x, y))
             return
-        self._inputs[name].append(x)
-        self._outputs[name].append(y)
+        from safetensors.torch import save_file
+
+        folder = self.spill_dir / name
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{len(self._chunks[name]):06d}.safetensors"
+        save_file({"x": x.contiguous(), "y": y.contiguous()}, str(path))
+        self._chunks[name].append((pos, path))
+
+
+def join_chunks(chunks: list[tuple], max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, outputs)`` of ``(position, x, y)`` chunks in position order, the first
+    ``max_tokens`` rows (empty tensors for no chunk)."""
+    if not chunks:
+        return torch.empty(0), torch.empty(0)
+    chunks = sorted(chunks, key=lambda c: c[0])
+    x = torch.cat([c[1] for c in chunks])[:max_tokens]
+    y = torch.cat([c[2] for c in chunks])[:max_tokens]
+    return x, y
