@@ -59,6 +59,14 @@ CASES: dict[str, dict] = {
     "kimi_shards_uneven": dict(
         family="kimi_k3", data="shards", shards=(5, 1), lengths=(12,) * 5 + (4,), shuffle=True
     ),
+    # the post-cut step (router fit + compensation, validated on held-out batches): the rows
+    # of every rank gathered in one process's order, fitted on the first rank, held by all
+    "kimi_same_fit": dict(family="kimi_k3", data="same", lengths=(16,) * 16, fit=True),
+    # (equal lengths: one process over the union orders samples longest first, which for
+    # unequal lengths is no concatenation of the shards)
+    "kimi_shards_fit": dict(
+        family="kimi_k3", data="shards", shards=(9, 7), lengths=(12,) * 16, fit=True
+    ),
 }
 
 #: padded case -> the case over the same samples at batch size 1 (no padding)
@@ -119,10 +127,16 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
     samples = case_samples(case, info.vocab_size)
     mine = rank_dataset(case, samples, rank, world)
     batch_size = case.get("batch_size", 1)
+    fit = (
+        dict(calibrate_router=True, compensate=True, router_fit_steps=10, compensation_steps=10)
+        if case.get("fit")
+        else {}
+    )
     modifier = REAPPruningModifier(
         num_experts_to_keep=info.num_experts // 2,
         scores_path=str(out / "scores.safetensors"),
         manifest_path=str(out / "manifest.json"),
+        **fit,
     )
     local: dict = {}
     spy_local_counts(local)
@@ -143,6 +157,16 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         "router_rows": {layer.name: layer.router.weight.shape[0] for layer in arch.layers},
         **local,
     }
+    if fit:
+        result["post_cut"] = modifier.router_fit["components"]
+        fitted = modifier._fitted_tensors
+        torch.save(fitted, out / f"fitted_rank{rank}.pt")
+        # what this rank's model holds now, for every fitted tensor
+        held = {
+            layer: {n: model.get_submodule(layer).get_parameter(n).detach().clone() for n in named}
+            for layer, named in fitted.items()
+        }
+        torch.save(held, out / f"model_rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():
         dist.barrier()

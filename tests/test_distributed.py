@@ -138,3 +138,33 @@ def test_separate_runs_merge_to_the_union(tmp_path):
     )
     union = observe(model, batches, False)
     _assert_scores_match(merged, union)
+
+
+@pytest.mark.parametrize("case", [c for c, spec in CASES.items() if spec.get("fit")])
+def test_post_cut_fit_on_two_ranks_is_the_single_process_fit(runs, case):
+    """The post-cut step under data parallel: both ranks report the single process's
+    components (kept or dropped, the same held-out KL), and both ranks' models hold the
+    single process's fitted tensors."""
+    single = runs / "single" / case
+    multi = runs / "multi" / case
+    (reference,) = [json.loads(p.read_text()) for p in sorted(single.glob("rank*.json"))]
+    ranks = [json.loads(p.read_text()) for p in sorted(multi.glob("rank*.json"))]
+    assert len(ranks) == 2
+    assert reference["post_cut"] and all(c["kl_after"] is not None for c in reference["post_cut"])
+    for r in ranks:
+        assert [(c["name"], c["kept"]) for c in r["post_cut"]] == [
+            (c["name"], c["kept"]) for c in reference["post_cut"]
+        ]
+        for got, want in zip(r["post_cut"], reference["post_cut"], strict=True):
+            assert got["kl_after"] == pytest.approx(want["kl_after"], rel=1e-6)
+    want = torch.load(single / "fitted_rank0.pt")
+    assert want, "nothing was fitted"
+    for rank in (0, 1):
+        for kind in ("fitted", "model"):
+            got = torch.load(multi / f"{kind}_rank{rank}.pt")
+            assert got.keys() == want.keys()
+            for layer, named in want.items():
+                for name, tensor in named.items():
+                    torch.testing.assert_close(
+                        got[layer][name].to(tensor.dtype), tensor, rtol=1e-6, atol=1e-9
+                    )

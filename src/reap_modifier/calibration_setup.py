@@ -117,7 +117,9 @@ def sample_positions(loader, group) -> dict:
     process fits). One process: the identity. Every rank given the same dataset (split by
     :class:`~reap_modifier.compat.RankShareSampler`): rank ``r`` of ``W`` holds positions
     ``r, r + W, ...``. Each rank its own dataset: rank-major, as one process over the
-    datasets concatenated in rank order. Collective under data parallel."""
+    datasets concatenated in rank order (one process orders samples of unequal length
+    longest first, so there the fit is that of the concatenation, not of one process over
+    the union). Collective under data parallel."""
     from .compat import RankShareSampler
 
     batch_size = getattr(loader, "batch_size", None) or 1

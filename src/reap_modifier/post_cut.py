@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from loguru import logger
 
-from .calibration import distributed
 from .calibration.block_io import BlockIOCapture, join_chunks
 from .compensation import compensate, compensation_problem, dense_params
 from .fit_validation import ValidationSet
@@ -166,16 +166,6 @@ def check_post_cut_request(
             f"{fields} fit(s) on calibration data, but oneshot got none: pass a dataset "
             f"(num_calibration_samples > 0) or remove {fields}"
         )
-    if distributed.world_size() > 1:
-        # llm-compressor's data-parallel offload keeps one copy of the weights in memory
-        # shared by the ranks (compressed-tensors' distributed CPU cache), and the fits
-        # write into it: every rank fitting at once would mix their writes
-        raise ValueError(
-            f"{fields} does not run under data parallel yet: the ranks share one copy of "
-            "the weights, and the post-cut step does not yet sequence its writes between "
-            "them; run it in one process (calibrate with torchrun, save the scores, then "
-            "cut and fit with scores_in in one process)"
-        )
     recipe = active_session().lifecycle.recipe
     fitted = {
         f"{layer.name}.{path}"
@@ -229,6 +219,8 @@ class PostCutFit:
             located["batch_size"],
         )
         self.group = group
+        if group is not None and s.spill_dir is not None:  # one folder per rank
+            s.spill_dir = str(Path(s.spill_dir) / f"rank{self._rank()}")
 
     def make_capture(self, register_hook, model: torch.nn.Module) -> BlockIOCapture:
         s = self.settings
@@ -261,8 +253,10 @@ class PostCutFit:
 
         capture, s = self.capture, self.settings
         capture.detach()
-        # data parallel: every rank gathers every rank's rows and held-out samples, in the
-        # order one process records them, and runs the same fits on them
+        # data parallel: every rank's rows and held-out samples are gathered in the order one
+        # process records them; the first rank fits on them alone (the ranks share one copy
+        # of the weights in llm-compressor's data-parallel offload, so their writes must not
+        # mix) while the others wait, then every rank holds its result
         rows = {
             n: join_chunks(_gathered(capture.chunks(n), self.group), s.tokens)
             for n in self.arch.layer_names
@@ -274,6 +268,15 @@ class PostCutFit:
                 f"the post-cut fit captured no calibration tokens for {empty[0]}: no "
                 "calibration data reached the MoE layers (num_calibration_samples > 0)"
             )
+        if self._rank() != 0:
+            self._follow(apply_plan)
+            return
+        self._run_first(model, plan, ranking, apply_plan, overlay, rows, held)
+        self._share((self.record, self.tensors))
+
+    def _run_first(self, model, plan, ranking, apply_plan, overlay, rows, held) -> None:
+        """The post-cut step on the first (or only) rank."""
+        s = self.settings
         if not s.components:
             self._cut(model, plan, ranking, rows, apply_plan, overlay)
             self.record = {
@@ -346,7 +349,52 @@ class PostCutFit:
                     candidates=s.selection_candidates,
                     drops=s.selection_drops,
                 )
+        self._share(plan)
         apply_plan(plan)
+        self._barrier()
+
+    # -- data parallel ----------------------------------------------------------------
+
+    def _rank(self) -> int:
+        if self.group is None:
+            return 0
+        import torch.distributed as dist
+
+        return dist.get_rank(self.group)
+
+    def _share(self, obj):
+        """``obj`` of the first rank, on every rank (``obj`` itself in one process)."""
+        if self.group is None:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def _follow(self, apply_plan) -> None:
+        """Another rank: cut as the first rank cut, wait for its fits, then hold the
+        fitted tensors (written here too unless the ranks share the weights)."""
+        from compressed_tensors import align_module_device
+        from compressed_tensors.offload import update_offload_parameter
+
+        apply_plan(self._share(None))
+        self._barrier()
+        self.record, self.tensors = self._share(None)
+        for layer in self.arch.layers:
+            for name, tensor in self.tensors.get(layer.name, {}).items():
+                path, _, attr = name.rpartition(".")
+                module = layer.block.get_submodule(path)
+                with align_module_device(module):
+                    same = torch.equal(getattr(module, attr).detach().to("cpu"), tensor)
+                if not same:
+                    update_offload_parameter(module, attr, tensor)
 
     def select(
         self,
