@@ -32,15 +32,13 @@ import torch
 from loguru import logger
 
 from .calibration.block_io import BlockIOCapture, join_chunks
-from .compensation import compensate, compensation_problem, dense_params
+from .compensation import compensate
 from .fit_validation import ValidationSet
 from .models import MoEArchitecture, MoELayer
+from .post_cut_rules import check_post_cut_request, component_problems, params_of
 from .router_fit import (
     FIT_METHOD,
-    RouterFitError,
     fit_router,
-    router_fit_problem,
-    router_params,
 )
 from .scores.plan import PruningPlan
 
@@ -113,82 +111,6 @@ class FitSettings:
         return min(HOLDOUT_EVERY_BATCH, batches) if batches >= 2 else None
 
     extra: dict = field(default_factory=dict)
-
-
-def _bias_params(layer: MoELayer) -> dict[str, list[str]]:
-    from .bias_fit import BIAS_ATTR
-
-    return {layer.router_attr: [BIAS_ATTR]}
-
-
-def _params_of(component: str, layer: MoELayer) -> dict[str, list[str]]:
-    if component == "router":
-        return router_params(layer)
-    if component == "bias":
-        return _bias_params(layer)
-    return dense_params(layer)
-
-
-def component_problems(component: str, layers: list[MoELayer]) -> list[str]:
-    """Why ``component`` cannot be fitted on these layers (empty when it can)."""
-    if component == "router":
-        check = router_fit_problem
-    elif component == "bias":
-        from .bias_fit import bias_fit_problem as check
-    else:
-        check = compensation_problem
-    return [p for layer in layers if (p := check(layer))]
-
-
-def check_post_cut_request(
-    state, arch: MoEArchitecture, components: list[str], fields: str, modifier_type: type
-) -> None:
-    """Refuse, before any model work, a post-cut fit that cannot run: a block a
-    component cannot express, no calibration data, data parallel, or another modifier of
-    the recipe that also changes the tensors the fits change.
-
-    :param fields: the recipe fields that asked for the fit (for the messages)
-    """
-    from compressed_tensors.utils import match_named_modules
-    from llmcompressor.core import active_session
-
-    for component in components:
-        problems = component_problems(component, arch.layers)
-        if problems:
-            raise RouterFitError(
-                f"{fields} cannot fit these blocks ({component}): "
-                + "; ".join(problems[:3])
-                + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
-                + f"; remove the field that asks for {component!r}"
-            )
-    if getattr(state.data, "calib", None) is None:
-        raise ValueError(
-            f"{fields} fit(s) on calibration data, but oneshot got none: pass a dataset "
-            f"(num_calibration_samples > 0) or remove {fields}"
-        )
-    recipe = active_session().lifecycle.recipe
-    fitted = {
-        f"{layer.name}.{path}"
-        for layer in arch.layers
-        for c in components
-        for path in (_params_of(c, layer) if c != "bias" else {layer.router_attr: []})
-    }
-    for other in recipe.modifiers if recipe is not None else []:
-        targets = getattr(other, "targets", None)
-        if isinstance(other, modifier_type) or not targets:
-            continue
-        targets = [targets] if isinstance(targets, str) else list(targets)
-        ignore = list(getattr(other, "ignore", None) or [])
-        hit = sorted(
-            name for name, _ in match_named_modules(state.model, targets, ignore) if name in fitted
-        )
-        if hit:
-            raise ValueError(
-                f"{fields} fit(s) {hit[0]}"
-                + (f" and {len(hit) - 1} more" if len(hit) > 1 else "")
-                + f", but {type(other).__name__} in the recipe also changes them (targets "
-                f"{targets}); add them to its `ignore` (e.g. 're:.*gate$') or remove {fields}"
-            )
 
 
 class PostCutFit:
@@ -529,7 +451,7 @@ class PostCutFit:
         from compressed_tensors import align_module_device
 
         out = {}
-        for path, names in _params_of(component, layer).items():
+        for path, names in params_of(component, layer).items():
             module = layer.block.get_submodule(path)
             with align_module_device(module):
                 for n in names:
