@@ -218,5 +218,5 @@ def test_unmodelled_router_is_refused():
     model, _ = build_tiny("olmoe")
     layer = find_moe_architecture(model).layers[0]
     x = torch.randn(4, model.config.hidden_size)
-    with pytest.raises(BlockSelectionError, match="use selection: reap"):
+    with pytest.raises(BlockSelectionError, match="use selection: saliency"):
         select_by_block_error(layer, x, x, 4)

@@ -96,14 +96,14 @@ def routing_rule(layer: MoELayer) -> RoutingRule:
     if name not in _RULES:
         raise BlockSelectionError(
             f"{layer.name}: block-error selection models the routers {sorted(_RULES)}, not "
-            f"{name}; use selection: reap for this model"
+            f"{name}; use selection: saliency for this model"
         )
     if layer.extra_rows:
         raise BlockSelectionError(f"{layer.name}: routers with non-expert rows are not modelled")
     if getattr(getattr(layer.block, "config", None), "latent_moe_use_norm", False):
         raise BlockSelectionError(
             f"{layer.name}: latent_moe_use_norm normalises the routed sum, so the block is "
-            "not linear in the expert outputs; use selection: reap for this model"
+            "not linear in the expert outputs; use selection: saliency for this model"
         )
     rule = _RULES[name](router)
     if rule.activation not in ("sigmoid", "softmax"):
