@@ -273,3 +273,17 @@ def test_bias_fit_on_the_modifier_saves_what_it_fitted(tmp_path, tokenizer):
     assert names <= {"gate.weight", "gate.e_score_correction_bias"}
     report = verify_checkpoint(dst, source=fixture.path)
     assert report.ok, report.summary()
+
+
+def test_block_error_selection_refuses_a_router_it_does_not_model_before_calibration(
+    tmp_path, tokenizer
+):
+    from conftest import save_and_reload
+    from tiny_models import build_tiny
+
+    model, _ = build_tiny("mixtral", seed=3)
+    model = save_and_reload(model, "mixtral", tmp_path / "src")
+    modifier = REAPPruningModifier(sparsity=0.5, selection="block_error")
+    with pytest.raises(ValueError, match="selection: block_error cannot choose for .*saliency"):
+        _oneshot(model, modifier, tokenizer)
+    assert modifier.plan is None  # nothing was calibrated or cut

@@ -442,7 +442,12 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
         """Refuse what the post-cut step cannot do, before any model work."""
         settings = FitSettings.from_recipe(self)
         check_post_cut_request(
-            state, self._arch, settings.components, self._fit_fields(), type(self)
+            state,
+            self._arch,
+            settings.components,
+            self._fit_fields(),
+            type(self),
+            selection=settings.selection,
         )
         self._post_cut = PostCutFit(self._arch, settings)
 

@@ -36,16 +36,31 @@ def component_problems(component: str, layers: list[MoELayer]) -> list[str]:
 
 
 def check_post_cut_request(
-    state, arch: MoEArchitecture, components: list[str], fields: str, modifier_type: type
+    state,
+    arch: MoEArchitecture,
+    components: list[str],
+    fields: str,
+    modifier_type: type,
+    selection: str = "saliency",
 ) -> None:
-    """Refuse, before any model work, a post-cut fit that cannot run: a block a
-    component cannot express, no calibration data, data parallel, or another modifier of
-    the recipe that also changes the tensors the fits change.
+    """Refuse, before any model work, a post-cut step that cannot run: a router the
+    block-error selection does not model, a block a component cannot express, no
+    calibration data, or another modifier of the recipe that also changes the tensors the
+    fits change.
 
     :param fields: the recipe fields that asked for the fit (for the messages)
     """
     from compressed_tensors.utils import match_named_modules
     from llmcompressor.core import active_session
+
+    if selection == "block_error":
+        from .block_routing import BlockSelectionError, routing_rule
+
+        for layer in arch.layers:
+            try:
+                routing_rule(layer)
+            except BlockSelectionError as exc:
+                raise ValueError(f"selection: block_error cannot choose for {exc}") from exc
 
     for component in components:
         problems = component_problems(component, arch.layers)
