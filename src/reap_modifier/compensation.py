@@ -58,6 +58,7 @@ __all__ = [
     "RIDGE_GRID",
     "SHARED_EXPERT_ATTRS",
     "ClosedFormResult",
+    "assign_tensors",
     "closed_form",
     "compensate",
     "compensation_problem",
@@ -285,7 +286,9 @@ def closed_form(
     return tensors, ClosedFormResult(paths, best_ridge, before, best)
 
 
-def _assign(layer: MoELayer, tensors: dict[str, torch.Tensor]) -> None:
+def assign_tensors(layer: MoELayer, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``tensors`` (``{"path.name": tensor}``, paths in the block) into ``layer``'s
+    block, offloaded or not."""
     from compressed_tensors.offload import update_offload_parameter
 
     for name, tensor in tensors.items():
@@ -312,12 +315,12 @@ def compensate(
     if problem is not None:
         raise ValueError(problem)
     tensors, closed = closed_form(layer, inputs, targets)
-    _assign(layer, tensors)
+    assign_tensors(layer, tensors)
     grad: RouterFitResult | None = None
     if steps > 0:
         fitted, grad = fit_block(layer, inputs, targets, dense_params(layer), steps=steps, lr=lr)
         if grad.best_step:
-            _assign(layer, fitted)
+            assign_tensors(layer, fitted)
             tensors.update(fitted)
     with torch.no_grad():
         held = holdout_rows(inputs.shape[0])

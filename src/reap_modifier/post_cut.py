@@ -32,7 +32,7 @@ import torch
 from loguru import logger
 
 from .calibration.block_io import BlockIOCapture, join_chunks
-from .compensation import compensate
+from .compensation import assign_tensors, compensate
 from .fit_validation import ValidationSet
 from .models import MoEArchitecture, MoELayer
 from .post_cut_rules import check_post_cut_request, component_problems, params_of
@@ -40,7 +40,7 @@ from .router_fit import (
     FIT_METHOD,
     fit_router,
 )
-from .scores.plan import PruningPlan
+from .scores.plan import PruningPlan, retained_mass
 
 __all__ = [
     "COMPONENTS",
@@ -351,11 +351,7 @@ class PostCutFit:
                     drops_per_step=drops,
                 )
             kept[layer.name], records[layer.name] = ids, record.to_dict()
-        retained = {}
-        for name, ids in kept.items():
-            sal = ranking.get(name)
-            if sal is not None and float(sal.sum()) > 0:
-                retained[name] = float(sal[ids].sum() / sal.sum())
+        retained = {n: retained_mass(ranking[n], ids) for n, ids in kept.items() if n in ranking}
         changed = sum(len(set(kept[n]) - set(plan.kept[n])) for n in kept)
         logger.info(
             f"REAP block-error selection: {keep} experts per layer; {changed} of "
@@ -423,7 +419,6 @@ class PostCutFit:
 
     def _fit(self, component: str, layer: MoELayer, x: torch.Tensor, y: torch.Tensor):
         from compressed_tensors import align_module_device
-        from compressed_tensors.offload import update_offload_parameter
 
         s = self.settings
         with align_module_device(layer.block):
@@ -441,9 +436,8 @@ class PostCutFit:
                 rec = result.to_dict()
             else:
                 tensors, rec = compensate(layer, x, y, steps=s.dense_steps, lr=s.dense_lr)
-        for name, tensor in tensors.items():
-            path, _, attr = name.rpartition(".")
-            update_offload_parameter(layer.block.get_submodule(path), attr, tensor)
+        if component != "dense":  # compensation writes what it fits as it goes
+            assign_tensors(layer, tensors)
         logger.debug(f"REAP post-cut fit {component} {layer.name}: {rec}")
         return {k: v.detach().to("cpu") for k, v in tensors.items()}, rec
 
@@ -459,11 +453,7 @@ class PostCutFit:
         return out
 
     def _restore(self, layer: MoELayer, saved: dict[str, torch.Tensor]) -> None:
-        from compressed_tensors.offload import update_offload_parameter
-
-        for name, tensor in saved.items():
-            path, _, attr = name.rpartition(".")
-            update_offload_parameter(layer.block.get_submodule(path), attr, tensor)
+        assign_tensors(layer, saved)
 
 
 def _gathered(items: list, group) -> list:

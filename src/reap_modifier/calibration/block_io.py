@@ -100,9 +100,6 @@ class BlockIOCapture:
         self._batches.detach()
         registries.remove_calibration_batch_listener(self._on_cached_batches)
 
-    def tokens(self, name: str) -> int:
-        return self._count[name]
-
     def held_out(self, position: int) -> bool:
         """Whether the sample at ``position`` (one process's order) is held out."""
         k = self.holdout_every
@@ -124,11 +121,6 @@ class BlockIOCapture:
                 chunk = (chunk[0], loaded["x"], loaded["y"])
             out.append(chunk)
         return out
-
-    def take(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The recorded ``(inputs, outputs)`` of block ``name`` (``[N, H]`` each) in
-        position order, the first ``max_tokens`` rows, released."""
-        return join_chunks(self.chunks(name), self.max_tokens)
 
     # -- hooks ------------------------------------------------------------------------
 
