@@ -102,3 +102,23 @@ def sources(tmp_path_factory):
     from mxfp4_fixtures import build_sources
 
     return build_sources(tmp_path_factory.mktemp("src"))
+
+
+def fresh_process_logits(family: str, path: Path, ids: torch.Tensor, out: Path) -> torch.Tensor:
+    """The logits on ``ids`` of the checkpoint at ``path`` reloaded in a fresh Python process
+    (nothing of this process's state, registrations or patches carried over)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from tiny_models import reload_class
+        m = reload_class({family!r}).from_pretrained({str(path)!r}).eval()
+        with torch.no_grad():
+            torch.save(m(input_ids=torch.tensor({ids.tolist()}), use_cache=False).logits, {str(out)!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out)

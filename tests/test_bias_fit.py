@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import build_tiny, sample_input_ids
+from tiny_models import build_tiny, capture_block_io, sample_input_ids
 
 from reap_modifier.bias_fit import BiasFitError, bias_fit_problem, fit_bias
 from reap_modifier.models import find_moe_architecture
@@ -45,31 +45,12 @@ def _error(layer, x, y):
     ).sum().item()
 
 
-def _captured(model, arch, ids):
-    io = {}
-
-    def hook(name):
-        def fn(module, args, out):
-            x = args[0]
-            y = out[0] if isinstance(out, tuple) else out
-            io[name] = (x.detach().reshape(-1, x.shape[-1]), y.detach().reshape(-1, x.shape[-1]))
-
-        return fn
-
-    hooks = [layer.block.register_forward_hook(hook(layer.name)) for layer in arch.layers]
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=False)
-    for h in hooks:
-        h.remove()
-    return io
-
-
 def _pruned(kind, dtype=torch.float32, seed=3):
     """Each group's larger-norm half of the router rows kept; the unpruned block's I/O."""
     family, over = KINDS[kind]
     model, info = build_tiny(family, seed=seed, dtype=dtype, **over)
     arch = find_moe_architecture(model)
-    io = _captured(model, arch, sample_input_ids(info.vocab_size, batch=8, seq=64, seed=1))
+    io = capture_block_io(model, arch, sample_input_ids(info.vocab_size, batch=8, seq=64, seed=1))
     E = arch.num_experts
     per = E // (arch.n_group if arch.group_limited else 1)
     for layer in arch.layers:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from family_zoo import build_family
-from tiny_models import build_tiny, sample_input_ids
+from tiny_models import build_tiny, capture_block_io, sample_input_ids
 
 from reap_modifier.compensation import (
     closed_form,
@@ -35,28 +35,10 @@ def _model(family: str):
     return model, sample_input_ids(vocab, batch=4, seq=64, seed=1)
 
 
-def _captured(model, arch, ids):
-    io = {}
-
-    def hook(name):
-        def fn(module, args, out):
-            x, y = args[0], out[0] if isinstance(out, tuple) else out
-            io[name] = (x.detach().reshape(-1, x.shape[-1]), y.detach().reshape(-1, x.shape[-1]))
-
-        return fn
-
-    hooks = [layer.block.register_forward_hook(hook(layer.name)) for layer in arch.layers]
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=False)
-    for h in hooks:
-        h.remove()
-    return io
-
-
 def _pruned(family):
     model, ids = _model(family)
     arch = find_moe_architecture(model)
-    io = _captured(model, arch, ids)
+    io = capture_block_io(model, arch, ids)
     for layer in arch.layers:
         E = arch.num_experts
         norms = layer.router_weight().detach().norm(dim=1)[:E]
@@ -155,7 +137,7 @@ def test_every_shared_expert_layout_is_compensated_or_refused_with_a_reason(fami
         pytest.skip(f"{family}: {exc}")
     ids = sample_input_ids(vocab, batch=2, seq=48, seed=1)
     arch = find_moe_architecture(model)
-    io = _captured(model, arch, ids)
+    io = capture_block_io(model, arch, ids)
     layer = arch.layers[0]
     assert output_projections(layer), f"{family}: no shared-expert projection found"
     problem = compensation_problem(layer)

@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import calibration_samples, make_dataset
+from conftest import calibration_samples, fresh_process_logits, make_dataset
 from mxfp4_fixtures import build_mxfp4_checkpoint, load_tensors, tensor_sha256, tree_sha256
 from pydantic import ValidationError
 from tiny_models import reload_class, sample_input_ids
@@ -156,18 +152,8 @@ def test_compensation_kept_experts_bit_exact_and_reload_equal(tmp_path, tokenize
     ids = sample_input_ids(128, batch=1, seq=12, seed=2)
     with torch.no_grad():
         expected = model(input_ids=ids, use_cache=False).logits
-    out = tmp_path / "reloaded.pt"
-    script = textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from tiny_models import reload_class
-        m = reload_class("kimi_k3").from_pretrained({str(dst)!r}).eval()
-        with torch.no_grad():
-            torch.save(m(input_ids=torch.tensor({ids.tolist()}), use_cache=False).logits, {str(out)!r})
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    torch.testing.assert_close(torch.load(out), expected, rtol=0, atol=0)
+    reloaded = fresh_process_logits("kimi_k3", dst, ids, tmp_path / "reloaded.pt")
+    torch.testing.assert_close(reloaded, expected, rtol=0, atol=0)
 
 
 def test_compensation_options_need_compensate():

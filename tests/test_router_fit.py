@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import build_tiny, sample_input_ids
+from tiny_models import build_tiny, capture_block_io, sample_input_ids
 
 from reap_modifier.models import find_moe_architecture
 from reap_modifier.router_fit import (
@@ -34,25 +34,6 @@ KINDS = {
 }
 
 
-def _captured(model, arch, ids):
-    io = {}
-
-    def hook(name):
-        def fn(module, args, out):
-            x = args[0]
-            y = out[0] if isinstance(out, tuple) else out
-            io[name] = (x.detach().reshape(-1, x.shape[-1]), y.detach().reshape(-1, x.shape[-1]))
-
-        return fn
-
-    hooks = [layer.block.register_forward_hook(hook(layer.name)) for layer in arch.layers]
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=False)
-    for h in hooks:
-        h.remove()
-    return io
-
-
 def _cut_half(arch):
     """Keep the larger-norm half of each group's router rows (a valid grouped cut)."""
     E = arch.num_experts
@@ -71,7 +52,7 @@ def _pruned_with_targets(family, seed=3):
     model, info = build_tiny(family, seed=seed, **KINDS[family])
     arch = find_moe_architecture(model)
     ids = sample_input_ids(info.vocab_size, batch=4, seq=64, seed=1)
-    io = _captured(model, arch, ids)
+    io = capture_block_io(model, arch, ids)
     _cut_half(arch)
     return model, arch, io
 
@@ -206,7 +187,7 @@ def test_fit_on_a_bf16_model(family):
     model = model.to(torch.bfloat16)
     arch = find_moe_architecture(model)
     ids = sample_input_ids(info.vocab_size, batch=4, seq=64, seed=1)
-    io = _captured(model, arch, ids)
+    io = capture_block_io(model, arch, ids)
     _cut_half(arch)
     for layer in arch.layers:
         x, y = io[layer.name]

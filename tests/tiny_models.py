@@ -44,6 +44,7 @@ import torch
 
 __all__ = [
     "FAMILIES",
+    "capture_block_io",
     "ALL_FAMILIES",
     "TinyInfo",
     "build_tiny",
@@ -625,3 +626,23 @@ def batch_invariant_numerics():
     finally:
         for module, name, value in originals:
             setattr(module, name, value)
+
+
+def capture_block_io(model, arch, ids) -> dict:
+    """``layer name -> (inputs [N, H], outputs [N, H])`` of every MoE block of ``arch`` on one
+    forward of ``model`` over ``ids`` (plain forward hooks)."""
+    io = {}
+
+    def hook(name):
+        def fn(module, args, out):
+            x, y = args[0], out[0] if isinstance(out, tuple) else out
+            io[name] = (x.detach().reshape(-1, x.shape[-1]), y.detach().reshape(-1, x.shape[-1]))
+
+        return fn
+
+    hooks = [layer.block.register_forward_hook(hook(layer.name)) for layer in arch.layers]
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    return io
