@@ -25,7 +25,7 @@ it changed.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -109,8 +109,6 @@ class FitSettings:
             return HOLDOUT_EVERY_BATCH
         batches = -(-self.samples // self.batch_size)
         return min(HOLDOUT_EVERY_BATCH, batches) if batches >= 2 else None
-
-    extra: dict = field(default_factory=dict)
 
 
 class PostCutFit:
