@@ -67,7 +67,15 @@ CASES: dict[str, dict] = {
     "kimi_shards_fit": dict(
         family="kimi_k3", data="shards", shards=(9, 7), lengths=(12,) * 16, fit=True
     ),
+    # the worst-group block-error selection: each sample's group (a dataset column) told by
+    # its tokens on every rank, in a shuffled draw
+    "kimi_same_groups": dict(
+        family="kimi_k3", data="same", lengths=(16,) * 12, shuffle=True, groups=True
+    ),
 }
+
+#: groups of the samples of a ``groups`` case, by index in the whole dataset
+GROUPS = ("en", "zh", "code")
 
 #: padded case -> the case over the same samples at batch size 1 (no padding)
 UNPADDED_TWIN = {
@@ -126,6 +134,14 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
     model = reload_class(family).from_pretrained(out / "src", dtype=torch.float64).eval()
     samples = case_samples(case, info.vocab_size)
     mine = rank_dataset(case, samples, rank, world)
+    dataset = make_dataset(mine)
+    groups = {}
+    if case.get("groups"):
+        labels = rank_dataset(case, [GROUPS[i % 3] for i in range(len(samples))], rank, world)
+        dataset = dataset.add_column("language", labels)
+        groups = dict(
+            selection="block_error", selection_groups="language", selection_candidates=None
+        )
     batch_size = case.get("batch_size", 1)
     fit = (
         dict(calibrate_router=True, compensate=True, router_fit_steps=10, compensation_steps=10)
@@ -137,6 +153,7 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         scores_path=str(out / "scores.safetensors"),
         manifest_path=str(out / "manifest.json"),
         **fit,
+        **groups,
     )
     local: dict = {}
     spy_local_counts(local)
@@ -145,7 +162,7 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         model=model,
         recipe=[modifier],
         processor=make_tokenizer(info.vocab_size),
-        dataset=make_dataset(mine),
+        dataset=dataset,
         num_calibration_samples=case.get("num_samples") or len(mine),
         shuffle_calibration_samples=case.get("shuffle", False),
         batch_size=batch_size,
@@ -157,6 +174,13 @@ def run_case(name: str, out: Path, rank: int, world: int) -> None:
         "router_rows": {layer.name: layer.router.weight.shape[0] for layer in arch.layers},
         **local,
     }
+    if groups:
+        selection = modifier.router_fit["selection"]
+        result["selection"] = {
+            "objective": selection["objective"],
+            "groups": selection["groups"],
+            "group_errors": {n: r["group_errors"] for n, r in selection["layers"].items()},
+        }
     if fit:
         result["post_cut"] = modifier.router_fit["components"]
         fitted = modifier._fitted_tensors

@@ -25,7 +25,7 @@ from family_routing import ROUTING, moe_blocks, router_and_biases
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["generic_masked_routing", "mask_block"]
+__all__ = ["generic_masked_routing", "mask_block", "masked_block_errors"]
 
 _MATMULS = {
     torch.nn.functional.linear,
@@ -121,3 +121,33 @@ def generic_masked_routing(model: torch.nn.Module, family: str, dropped: dict[st
         with torch.no_grad():
             for t, old in saved:
                 t.copy_(old)
+
+
+def masked_block_errors(block, family: str, x, y, kept, groups) -> list[float]:
+    """Per group (ascending label), the relative squared error ``sum ||b(x) - y||^2 /
+    sum ||y||^2`` of ``block`` routed without the experts outside ``kept``: ``-inf`` added
+    to their router logits (:func:`mask_block`) and to the per-expert biases the table
+    names. ``x``, ``y``: ``[N, H]``; ``groups``: ``[N]`` integer labels."""
+    weight, biases = router_and_biases(block, family)
+    E = int(weight.shape[0])
+    mask = torch.zeros(E)
+    mask[[e for e in range(E) if e not in kept]] = float("-inf")
+    saved = [(t, t.detach().clone()) for t in biases]
+    mode = mask_block(block, weight, mask)
+    try:
+        with torch.no_grad():
+            for t in biases:
+                t.add_(mask.view(t.shape).to(t.dtype))
+            out = block(x[None])
+    finally:
+        block.__dict__.pop("forward")
+        with torch.no_grad():
+            for t, old in saved:
+                t.copy_(old)
+    assert mode.hits > 0
+    out = (out[0] if isinstance(out, tuple) else out).reshape(x.shape[0], -1).double()
+    tok = (out - y.double()).pow(2).sum(-1)
+    yy = y.double().pow(2).sum(-1)
+    return [
+        float(tok[groups == g].sum() / yy[groups == g].sum()) for g in sorted(set(groups.tolist()))
+    ]

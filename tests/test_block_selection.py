@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_routing import router_and_biases, spread_biases_
-from generic_oracle import mask_block
+from family_routing import spread_biases_
+from generic_oracle import masked_block_errors
 from tiny_models import build_tiny
 
 from reap_modifier.block_selection import (
@@ -57,33 +57,9 @@ def _random_kept(E: int, keep: int, n_group: int, gen: torch.Generator) -> list[
 
 
 def _oracle_errors(family, layer, x, y, kept, groups) -> list[float]:
-    """Per-group relative squared error of the block routed without the dropped experts:
-    ``-inf`` added to their router logits (:func:`generic_oracle.mask_block`) and to the
-    per-expert biases the hand-written table names."""
-    block = layer.block
-    weight, biases = router_and_biases(block, family)
-    E = int(weight.shape[0])
-    mask = torch.zeros(E)
-    mask[[e for e in range(E) if e not in kept]] = float("-inf")
-    saved = [(t, t.detach().clone()) for t in biases]
-    mode = mask_block(block, weight, mask)
-    try:
-        with torch.no_grad():
-            for t in biases:
-                t.add_(mask.view(t.shape).to(t.dtype))
-            out = block(x[None])
-    finally:
-        block.__dict__.pop("forward")
-        with torch.no_grad():
-            for t, old in saved:
-                t.copy_(old)
-    assert mode.hits > 0
-    out = (out[0] if isinstance(out, tuple) else out).reshape(x.shape[0], -1).double()
-    tok = (out - y.double()).pow(2).sum(-1)
-    yy = y.double().pow(2).sum(-1)
-    return [
-        float(tok[groups == g].sum() / yy[groups == g].sum()) for g in sorted(set(groups.tolist()))
-    ]
+    """Per-group relative squared error of the block routed without the dropped experts
+    (:func:`generic_oracle.masked_block_errors`)."""
+    return masked_block_errors(layer.block, family, x, y, kept, groups)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -242,6 +242,7 @@ _ALL = (
     "reap_en_comp",
     "reap_en_zh_code_comp",
     "block_error_comp",
+    "block_error_lang_comp",
 )
 METHODS = (
     *_ALL,  # 50%
@@ -254,10 +255,12 @@ FITS = (
     "reap_en_comp",
     "reap_en_zh_code_comp",
     "block_error_comp",
+    "block_error_lang_comp",
     "reap_en_fit_75",
     "reap_en_zh_code_fit_75",
     "reap_en_zh_code_comp_75",
     "block_error_comp_75",
+    "block_error_lang_comp_75",
 )
 
 
@@ -289,13 +292,27 @@ def test_router_fit_rows(demo_run):
     assert "## After the cut: router fit and compensation" in report
     for name in FITS:
         alone = (
-            name.replace("_fit", "").replace("_comp", "").replace("block_error", "reap_en_zh_code")
+            name.replace("_fit", "")
+            .replace("_comp", "")
+            .replace("_lang", "")
+            .replace("block_error", "reap_en_zh_code")
         )
         if "block_error" in name:  # the same keep count, experts re-chosen by block error
             assert {k: len(v) for k, v in pr[name]["kept"].items()} == {
                 k: len(v) for k, v in pr[alone]["kept"].items()
             }, name
-            assert pr[name]["router_fit"]["selection"]["method"] == "block_error"
+            selection = pr[name]["router_fit"]["selection"]
+            assert selection["method"] == "block_error"
+            if "_lang" in name:  # each calibration window in its language
+                assert selection["objective"] == "worst_group"
+                assert selection["groups"]["names"] == ["code", "en", "zh"]
+                assert (
+                    sum(selection["groups"]["tokens"].values())
+                    == pr[name]["router_fit"]["tokens"]
+                    - pr[name]["router_fit"]["validation"]["tokens"]
+                )
+            else:
+                assert selection["objective"] == "pooled"
         else:
             assert pr[name]["kept"] == pr[alone]["kept"], name
         fit = pr[name]["router_fit"]

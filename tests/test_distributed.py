@@ -168,3 +168,21 @@ def test_post_cut_fit_on_two_ranks_is_the_single_process_fit(runs, case):
                     torch.testing.assert_close(
                         got[layer][name].to(tensor.dtype), tensor, rtol=1e-6, atol=1e-9
                     )
+
+
+@pytest.mark.parametrize("case", [c for c, spec in CASES.items() if spec.get("groups")])
+def test_worst_group_selection_on_two_ranks_is_the_single_process_one(runs, case):
+    """``selection_groups`` under data parallel: each rank tells its samples' groups, and
+    the selection sees the single process's rows in the single process's groups."""
+    (reference,) = [
+        json.loads(p.read_text()) for p in sorted((runs / "single" / case).glob("rank*.json"))
+    ]
+    ranks = [json.loads(p.read_text()) for p in sorted((runs / "multi" / case).glob("rank*.json"))]
+    want = reference["selection"]
+    assert want["objective"] == "worst_group"
+    assert want["groups"]["names"] == ["code", "en", "zh"]
+    for r in ranks:
+        got = r["selection"]
+        assert got["groups"] == want["groups"]
+        for layer, errors in want["group_errors"].items():
+            assert got["group_errors"][layer] == pytest.approx(errors, rel=1e-6), layer

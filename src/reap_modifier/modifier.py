@@ -94,6 +94,13 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
     :param divisible_by: round the kept count down to a multiple (e.g. 8 for EP)
     :param saliency: ranking criterion: ``reap`` (default), ``frequency``,
         ``weighted_frequency``, ``ean``, ``ean_mean``, ``max_norm``
+    :param selection: ``saliency`` (default) keeps the top experts by ``saliency``;
+        ``block_error`` re-chooses the same count per layer by the pruned block's re-routed
+        output error on calibration tokens (``docs/selection.md``), trying the
+        ``selection_candidates`` lowest-ranked experts per step, dropping ``selection_drops``
+    :param selection_groups: with ``block_error``, a string column of the calibration
+        dataset naming each sample's group (e.g. its language): minimise the worst group's
+        error instead of the pooled one
     :param ignore: module-name regexes (``re.search``; ``re:`` prefix accepted) of
         MoE blocks to skip; refused if it leaves some MoE layers unpruned
     :param report_path: ``.json`` with ``{layer: [retained original ids]}`` (upstream format)
@@ -168,6 +175,7 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
     selection: Literal["saliency", "block_error"] = "saliency"
     selection_candidates: int | None = Field(default=64, ge=1)
     selection_drops: int = Field(default=1, ge=1)
+    selection_groups: str | None = None
     ignore: list[str] = Field(default_factory=list)
     report_path: str | None = None
     scores_path: str | None = None
@@ -279,9 +287,9 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
             self._check_post_cut(state)
         self._cpu_group = distributed.make_cpu_group()
         if self.fits_after_cut:
-            self._post_cut.locate_samples(
-                sample_positions(state.data.calib, self._cpu_group), self._cpu_group
-            )
+            loader = state.data.calib
+            located = sample_positions(loader, self._cpu_group)
+            self._post_cut.locate_samples(located, self._cpu_group, loader)
             self._capture = self._post_cut.make_capture(self.register_hook, state.model)
         if self.plan_in is not None:
             plan = PruningPlan.load(self.plan_in)

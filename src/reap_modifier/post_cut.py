@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from loguru import logger
 
-from .calibration.block_io import BlockIOCapture, join_chunks
+from .calibration.block_io import BlockIOCapture, join_chunks, row_positions
+from .calibration.sample_groups import SampleGroups, group_names
 from .compensation import assign_tensors, compensate
 from .fit_validation import ValidationSet
 from .models import MoEArchitecture, MoELayer
@@ -80,6 +81,9 @@ class FitSettings:
     selection: str = "saliency"
     selection_candidates: int | None = 64
     selection_drops: int = 1
+    #: a string column of the calibration dataset naming each sample's group: the
+    #: block-error selection minimises the worst group's error (``None``: pooled)
+    selection_groups: str | None = None
 
     @classmethod
     def from_recipe(cls, recipe, **data) -> FitSettings:
@@ -98,6 +102,7 @@ class FitSettings:
             selection=recipe.selection,
             selection_candidates=recipe.selection_candidates,
             selection_drops=recipe.selection_drops,
+            selection_groups=recipe.selection_groups,
         )
 
     @property
@@ -127,12 +132,21 @@ class PostCutFit:
         #: the CPU process group under data parallel (``None``: one process)
         self.group = None
         self.tensors: dict[str, dict[str, torch.Tensor]] = {}
+        #: each calibrated sample's group (``selection_groups``)
+        self.groups: SampleGroups | None = None
+        self._all_labels: set[str] | None = None
 
-    def locate_samples(self, located: dict, group) -> None:
+    def locate_samples(self, located: dict, group, loader=None) -> None:
         """Where this rank's samples stand in one process's order
-        (:func:`~reap_modifier.calibration_setup.sample_positions`), and the process group
-        whose ranks' rows are gathered before the fits."""
+        (:func:`~reap_modifier.calibration_setup.sample_positions`), the process group
+        whose ranks' rows are gathered before the fits, and (``selection_groups``) the
+        group of each sample ``loader`` draws.
+
+        :raises ValueError: the ``selection_groups`` column cannot label the samples
+        """
         s = self.settings
+        if s.selection_groups is not None:
+            self.groups = SampleGroups(loader, s.selection_groups)
         s.position, s.samples, s.batch_size = (
             located["position"],
             located["samples"],
@@ -153,6 +167,7 @@ class PostCutFit:
             spill_dir=s.spill_dir,
             position=s.position,
             batch_size=s.batch_size,
+            label_of=self.groups.label if self.groups is not None else None,
         )
         return self.capture
 
@@ -177,10 +192,13 @@ class PostCutFit:
         # process records them; the first rank fits on them alone (the ranks share one copy
         # of the weights in llm-compressor's data-parallel offload, so their writes must not
         # mix) while the others wait, then every rank holds its result
-        rows = {
-            n: join_chunks(_gathered(capture.chunks(n), self.group), s.tokens)
-            for n in self.arch.layer_names
-        }
+        labels = self._sample_labels(capture)
+        rows, groups = {}, {}
+        for n in self.arch.layer_names:
+            chunks = _gathered(capture.chunks(n), self.group)
+            rows[n] = join_chunks(chunks, s.tokens)
+            if labels is not None:
+                groups[n] = [labels[p] for p in row_positions(chunks, s.tokens).tolist()]
         held = sorted(_gathered(capture.validation_samples(), self.group), key=lambda h: h[0])
         empty = [n for n, (x, _) in rows.items() if x.shape[0] < 2]
         if empty:
@@ -191,14 +209,23 @@ class PostCutFit:
         if self._rank() != 0:
             self._follow(apply_plan)
             return
-        self._run_first(model, plan, ranking, apply_plan, overlay, rows, held)
+        self._run_first(model, plan, ranking, apply_plan, overlay, rows, held, groups)
         self._share((self.record, self.tensors))
 
-    def _run_first(self, model, plan, ranking, apply_plan, overlay, rows, held) -> None:
-        """The post-cut step on the first (or only) rank."""
+    def _sample_labels(self, capture: BlockIOCapture) -> dict[int, str] | None:
+        """Every rank's calibrated samples' groups by position (``None``: no groups)."""
+        if self.groups is None:
+            return None
+        labels = dict(_gathered(list(capture.labels.items()), self.group))
+        self._all_labels = set(labels.values())
+        return labels
+
+    def _run_first(self, model, plan, ranking, apply_plan, overlay, rows, held, groups) -> None:
+        """The post-cut step on the first (or only) rank; ``groups``: each captured row's
+        group per layer (empty without ``selection_groups``)."""
         s = self.settings
         if not s.components:
-            self._cut(model, plan, ranking, rows, apply_plan, overlay)
+            self._cut(model, plan, ranking, rows, apply_plan, overlay, groups)
             self.record = {
                 "method": None,
                 "tokens": s.tokens,
@@ -224,7 +251,7 @@ class PostCutFit:
         with _attached(overlay()):
             if validation is not None:
                 validation.record_reference(model)
-        self._cut(model, plan, ranking, rows, apply_plan, overlay)
+        self._cut(model, plan, ranking, rows, apply_plan, overlay, groups)
         components, layers = [], {n: {} for n in self.arch.layer_names}
         changed: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.arch.layer_names}
         with _attached(overlay()):
@@ -258,7 +285,7 @@ class PostCutFit:
             "component_layers": layers,
         }
 
-    def _cut(self, model, plan, ranking, rows, apply_plan, overlay) -> None:
+    def _cut(self, model, plan, ranking, rows, apply_plan, overlay, groups) -> None:
         s = self.settings
         if s.selection == "block_error":
             with _attached(overlay()):
@@ -268,6 +295,7 @@ class PostCutFit:
                     rows,
                     candidates=s.selection_candidates,
                     drops=s.selection_drops,
+                    groups=groups or None,
                 )
         self._share(plan)
         apply_plan(plan)
@@ -324,19 +352,25 @@ class PostCutFit:
         *,
         candidates: int | None,
         drops: int,
+        groups: dict[str, list[str]] | None = None,
     ) -> PruningPlan:
         """``selection: block_error``: the same keep count as ``plan``, the kept experts
         chosen per layer by greedy elimination on the block's re-routed output error
-        (:mod:`reap_modifier.block_selection`), ``ranking`` (the cut's saliency) ordering
-        the candidates; call on the unpruned model."""
+        (:mod:`reap_modifier.block_selection`; with ``groups``, each row's group, the
+        worst group's error), ``ranking`` (the cut's saliency) ordering the candidates;
+        call on the unpruned model."""
         from compressed_tensors import align_module_device
         from tqdm.auto import tqdm
 
         from .block_selection import select_by_block_error
 
+        names = self._group_names(groups)
         keep, kept, records = plan.num_kept, {}, {}
         for layer in tqdm(self.arch.layers, desc="REAP block-error selection"):
             x, y = rows[layer.name]
+            ids_of = None
+            if names is not None:
+                ids_of = torch.tensor([names.index(g) for g in groups[layer.name]])
             with align_module_device(layer.block):
                 device = layer.router.weight.device
                 ids, record = select_by_block_error(
@@ -345,10 +379,14 @@ class PostCutFit:
                     y.to(device),
                     keep,
                     ranking=ranking.get(layer.name),
+                    groups=ids_of.to(device) if ids_of is not None else None,
                     candidates=candidates,
                     drops_per_step=drops,
                 )
             kept[layer.name], records[layer.name] = ids, record.to_dict()
+            if names is not None:
+                errors = records[layer.name]["group_errors"]
+                records[layer.name]["group_errors"] = {names[int(g)]: v for g, v in errors.items()}
         retained = {n: retained_mass(ranking[n], ids) for n, ids in kept.items() if n in ranking}
         changed = sum(len(set(kept[n]) - set(plan.kept[n])) for n in kept)
         logger.info(
@@ -361,6 +399,14 @@ class PostCutFit:
             "candidates": candidates,
             "drops_per_step": drops,
             "differs_from_ranking": changed,
+            "objective": "pooled" if names is None else "worst_group",
+            "groups": None
+            if names is None
+            else {
+                "column": self.settings.selection_groups,
+                "names": names,
+                "tokens": {g: groups[self.arch.layer_names[0]].count(g) for g in names},
+            },
             "layers": records,
         }
         return PruningPlan(
@@ -370,6 +416,12 @@ class PostCutFit:
             params={**plan.params, "selection": "block_error", "candidate_order": plan.saliency},
             retained=retained,
         )
+
+    def _group_names(self, groups: dict[str, list[str]] | None) -> list[str] | None:
+        if not groups:
+            return None
+        rows = groups[self.arch.layer_names[0]]
+        return group_names(rows, self._all_labels or set(), self.settings.selection_groups)
 
     def _component(self, component, model, rows, validation, kl_now, layers, changed) -> dict:
         """Fit ``component`` on every layer, then keep it (its tensors join ``changed``)

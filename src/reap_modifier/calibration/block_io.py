@@ -41,7 +41,7 @@ from .. import registries
 from ..models import MoEArchitecture
 from .tokens import BatchTokenTracker, call_arguments
 
-__all__ = ["BlockIOCapture", "join_chunks"]
+__all__ = ["BlockIOCapture", "join_chunks", "row_positions"]
 
 _MODEL_INPUTS = ("input_ids", "attention_mask")
 
@@ -58,6 +58,9 @@ class BlockIOCapture:
     :param spill_dir: write the rows there as they are recorded instead of holding them
     :param position: local sample index -> position in one process's order (identity)
     :param batch_size: samples per batch of one process's order
+    :param label_of: ``(input_ids [T], attention_mask [T] | None) -> group`` of a sample
+        (:class:`~reap_modifier.calibration.sample_groups.SampleGroups`); every sample's
+        group is then kept by position in :attr:`labels`
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class BlockIOCapture:
         spill_dir: str | Path | None = None,
         position: Callable[[int], int] | None = None,
         batch_size: int = 1,
+        label_of: Callable[..., str] | None = None,
     ):
         self.arch = arch
         self.max_tokens = int(max_tokens)
@@ -86,11 +90,14 @@ class BlockIOCapture:
         self._model_samples = 0
         self._held: dict[int, dict[str, torch.Tensor]] = {}
         self._batches = BatchTokenTracker()
+        self._label_of = label_of
+        #: each calibrated sample's group by position (with ``label_of``)
+        self.labels: dict[int, str] = {}
 
     def attach(self) -> None:
         self._batches.attach(self._model, self._register)
         registries.add_calibration_batch_listener(self._on_cached_batches)
-        if self._model is not None and self.holdout_every:
+        if self._model is not None and (self.holdout_every or self._label_of is not None):
             self._attach_model(self._model)
         for layer in self.arch.layers:
             self._register(layer.block, partial(self._record, layer.name), "forward")
@@ -134,13 +141,16 @@ class BlockIOCapture:
 
     def _keep_inputs(self, first: int, batch: dict) -> int:
         """Keep the held-out samples of a batch whose first sample has local index
-        ``first``; returns the next batch's first local index."""
+        ``first`` (and every sample's group); returns the next batch's first local index."""
         ids = batch.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             return first
         mask = batch.get("attention_mask")
         for j in range(ids.shape[0]):
             pos = self.position(first + j)
+            if self._label_of is not None:
+                row_mask = mask[j] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+                self.labels[pos] = self._label_of(ids[j], row_mask)
             if self.held_out(pos):
                 kept = {"input_ids": ids[j : j + 1].detach().to("cpu", copy=True)}
                 if isinstance(mask, torch.Tensor) and mask.dim() == 2:
@@ -208,3 +218,11 @@ def join_chunks(chunks: list[tuple], max_tokens: int) -> tuple[torch.Tensor, tor
     x = torch.cat([c[1] for c in chunks])[:max_tokens]
     y = torch.cat([c[2] for c in chunks])[:max_tokens]
     return x, y
+
+
+def row_positions(chunks: list[tuple], max_tokens: int) -> torch.Tensor:
+    """The sample position of each row :func:`join_chunks` returns for ``chunks``."""
+    chunks = sorted(chunks, key=lambda c: c[0])
+    counts = torch.tensor([c[1].shape[0] for c in chunks], dtype=torch.long)
+    positions = torch.tensor([c[0] for c in chunks], dtype=torch.long)
+    return torch.repeat_interleave(positions, counts)[:max_tokens]

@@ -64,6 +64,9 @@ class Method:
     #: fit: ``"block_error"`` re-chooses the kept experts of ``fit_of``'s keep count by the block's
     #: re-routed output error before the fit (``selection: block_error``), REAP ordering candidates
     selection: str = "saliency"
+    #: fit: the block-error selection minimises the worst language's error (the fit's dataset
+    #: carries each sample's language: ``selection_groups``) instead of the pooled one
+    groups: bool = False
     #: extra sparsities this method is not pruned at (at the job's sparsity every method is)
     skip_sparsities: tuple[float, ...] = ()
 
@@ -113,6 +116,12 @@ METHODS: tuple[Method, ...] = (
         "block_error_comp", "block-error selection + compensation", "calibrated", "reap", "D",
         "en+zh+code", role="fit", fit_of="reap_en_zh_code", fit=("router", "bias", "dense"),
         selection="block_error", skip_sparsities=_NOT_AT_25,
+    ),
+    Method(
+        "block_error_lang_comp", "worst-language block-error selection + compensation",
+        "calibrated", "reap", "D", "en+zh+code", role="fit", fit_of="reap_en_zh_code",
+        fit=("router", "bias", "dense"), selection="block_error", groups=True,
+        skip_sparsities=_NOT_AT_25,
     ),
 )  # fmt: skip
 #: the method every other is compared against (paired differences, overlap, the report's losses)
@@ -198,7 +207,7 @@ QUICK = dict(
     prompts_per_lang=2,
     prompt_tokens=6,
     gen_tokens=6,
-    router_fit_tokens=192,
+    router_fit_tokens=384,
     router_fit_steps=3,
     compensation_steps=3,
 )

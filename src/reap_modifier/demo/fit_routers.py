@@ -6,15 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .config import FIT_PARTS, DemoConfig, Method
+from .config import FIT_PARTS, PARTS, DemoConfig, Method
 from .inputs import Inputs
 from .workspace import load_model
 
 
 def fit_sets(cfg: DemoConfig, inputs: Inputs) -> dict[str, Any]:
     """Per calibration mix of :data:`FIT_PARTS`: the router fit's dataset, ``router_fit_tokens``
-    tokens drawn evenly from the mix's calibration parts (whole windows from the start of each)."""
+    tokens drawn evenly from the mix's calibration parts (whole windows from the start of each),
+    each window's language in a ``language`` column (a string: the collator drops it)."""
     from datasets import concatenate_datasets
+
+    language = dict(PARTS)
 
     out = {}
     for mix, parts in FIT_PARTS.items():
@@ -26,7 +29,8 @@ def fit_sets(cfg: DemoConfig, inputs: Inputs) -> dict[str, Any]:
                 if n >= share:
                     break
                 n, rows = n + len(ids), rows + 1
-            pieces.append(ds.select(range(rows)))
+            piece = ds.select(range(rows))
+            pieces.append(piece.add_column("language", [language[part]] * rows))
         out[mix] = concatenate_datasets(pieces)
     return out
 
@@ -54,6 +58,7 @@ def fit_router_checkpoint(
         calibrate_bias="bias" in m.fit,
         compensate="dense" in m.fit,
         selection=m.selection,
+        **({"selection_groups": "language"} if m.groups else {}),
         router_fit_tokens=tokens,
         router_fit_steps=cfg.router_fit_steps,
         router_fit_lr=cfg.router_fit_lr,
