@@ -346,6 +346,10 @@ class BlockSelectionRecord:
     expert_calls: int = 0
     seconds: float = 0.0
     setup_seconds: float = 0.0  # of ``seconds``: the cache and its Gram matrices
+    #: the objective of ``baseline`` (``None``: none given)
+    baseline_objective: float | None = None
+    #: ``baseline`` was kept: the search found no lower objective
+    kept_baseline: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -398,6 +402,7 @@ def select_by_block_error(
     drops_per_step: int = 1,
     extra_slots: int = 8,
     batch: int | None = None,
+    baseline: list[int] | None = None,
 ) -> tuple[list[int], BlockSelectionRecord]:
     """Keep the ``keep`` experts of ``layer`` chosen by greedy backward elimination on the
     block's re-routed output error (worst group's with ``groups``).
@@ -411,6 +416,9 @@ def select_by_block_error(
     :param groups: ``[N]`` integer label per token; the objective is the worst group's error
     :param candidates: experts tried per step (``None``: every eligible kept expert)
     :param drops_per_step: experts dropped per step (the best ``d`` of one step's trials)
+    :param baseline: ``keep`` expert ids (e.g. the ranking's own cut) kept instead of the
+        search's set when the search's objective is not lower (greedy elimination is no
+        optimum: the search is never worse than the cut it improves on)
     :returns: ascending kept ids and the record
     :raises BlockSelectionError: unsupported router, bad shapes or ``keep``
     """
@@ -454,6 +462,15 @@ def select_by_block_error(
             value = float(ev.errors(kept[None]).max())
         record.steps.append({"dropped": sorted(dropped), "objective": value})
     final = ev.errors(kept[None])[0]
+    if baseline is not None:
+        base = torch.zeros(E, dtype=torch.bool)
+        base[list(baseline)] = True
+        if int(base.sum()) != keep:
+            raise BlockSelectionError(f"{layer.name}: baseline must hold {keep} distinct experts")
+        base_errors = ev.errors(base[None])[0]
+        record.baseline_objective = float(base_errors.max())
+        if record.baseline_objective <= float(final.max()):
+            kept, final, record.kept_baseline = base, base_errors, True
     record.kept = kept.nonzero().flatten().tolist()
     record.objective = float(final.max())
     record.group_errors = {int(g): float(v) for g, v in zip(ev.group_ids, final)}

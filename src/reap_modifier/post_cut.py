@@ -382,6 +382,7 @@ class PostCutFit:
                     groups=ids_of.to(device) if ids_of is not None else None,
                     candidates=candidates,
                     drops_per_step=drops,
+                    baseline=plan.kept[layer.name],
                 )
             kept[layer.name], records[layer.name] = ids, record.to_dict()
             if names is not None:
@@ -389,9 +390,11 @@ class PostCutFit:
                 records[layer.name]["group_errors"] = {names[int(g)]: v for g, v in errors.items()}
         retained = {n: retained_mass(ranking[n], ids) for n, ids in kept.items() if n in ranking}
         changed = sum(len(set(kept[n]) - set(plan.kept[n])) for n in kept)
+        kept_cut = sorted(n for n, r in records.items() if r["kept_baseline"])
         logger.info(
             f"REAP block-error selection: {keep} experts per layer; {changed} of "
             f"{keep * len(kept)} kept experts differ from {plan.saliency}'s cut"
+            + (f"; {len(kept_cut)} layer(s) keep that cut (no lower error)" if kept_cut else "")
         )
         self.selection = {
             "method": "block_error",
@@ -399,6 +402,7 @@ class PostCutFit:
             "candidates": candidates,
             "drops_per_step": drops,
             "differs_from_ranking": changed,
+            "layers_keeping_ranking_cut": kept_cut,
             "objective": "pooled" if names is None else "worst_group",
             "groups": None
             if names is None
