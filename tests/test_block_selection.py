@@ -153,6 +153,34 @@ def test_candidates_follow_the_ranking():
     assert record.evaluations == (E - keep) + 1  # one trial per step, plus the final set
 
 
+def test_a_baseline_no_worse_than_the_search_is_kept():
+    """``baseline``: kept when the search finds no lower objective (a search forced through
+    the worst-ranked candidates against the unrestricted search's set), else the search's
+    set; the record holds both objectives, each equal to the masked-routing oracle's."""
+    _, family, arch, layer, x, y = _setup("kimi_k3")
+    E, keep = arch.num_experts, arch.num_experts // 2
+    groups = torch.zeros(N_TOKENS, dtype=torch.long)
+    good, good_record = select_by_block_error(layer, x, y, keep)
+    # candidates=1 with the best set ranked lowest: the search drops the best experts
+    ranking = torch.zeros(E)
+    ranking[good] = -1.0
+    bad, bad_record = select_by_block_error(layer, x, y, keep, ranking=ranking, candidates=1)
+    assert set(bad).isdisjoint(good) and bad_record.objective > good_record.objective
+    kept, record = select_by_block_error(
+        layer, x, y, keep, ranking=ranking, candidates=1, baseline=good
+    )
+    assert kept == good and record.kept_baseline
+    (want,) = _oracle_errors(family, layer, x, y, good, groups)
+    assert record.objective == pytest.approx(want, rel=1e-4)
+    assert record.baseline_objective == record.objective
+    kept, record = select_by_block_error(layer, x, y, keep, baseline=bad)
+    assert kept == good and not record.kept_baseline
+    (want,) = _oracle_errors(family, layer, x, y, bad, groups)
+    assert record.baseline_objective == pytest.approx(want, rel=1e-4)
+    with pytest.raises(BlockSelectionError, match="baseline must hold 8 distinct experts"):
+        select_by_block_error(layer, x, y, keep, baseline=good[:-1])
+
+
 def test_group_balance_changes_the_choice():
     """A small group of tokens that needs experts the bulk of the tokens does not: the
     pooled objective sacrifices it, the worst-group objective keeps what it needs."""

@@ -222,6 +222,13 @@ def test_block_error_selection_rechooses_the_kept_experts(tmp_path, tokenizer):
     assert selection["method"] == "block_error" and set(selection["layers"]) == set(plan.kept)
     differs = sum(len(set(plan.kept[n]) - set(reap.plan.kept[n])) for n in plan.kept)
     assert selection["differs_from_ranking"] == differs
+    assert selection["objective"] == "pooled" and selection["groups"] is None
+    # a layer keeps REAP's cut exactly when the search found no lower error
+    for name, rec in selection["layers"].items():
+        assert rec["kept_baseline"] == (name in selection["layers_keeping_ranking_cut"])
+        assert rec["kept_baseline"] == (rec["baseline_objective"] <= rec["objective"])
+        if rec["kept_baseline"]:
+            assert plan.kept[name] == reap.plan.kept[name]
     assert json.loads(manifest.read_text())["saliency"] == "block_error"
     assert model.config.text_config.num_experts == 8
 
