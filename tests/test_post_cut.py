@@ -22,6 +22,7 @@ from tiny_models import reload_class, sample_input_ids
 
 from reap_modifier import REAPPruningModifier
 from reap_modifier.checkpoint.verify import verify_checkpoint
+from reap_modifier.checkpoint.verify_manifest import post_cut_lines
 
 EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<idx>\d+)\.(?P<rest>.+)$")
 SAMPLES = calibration_samples(128, n=16, seq=32, seed=9)
@@ -223,6 +224,8 @@ def test_block_error_selection_rechooses_the_kept_experts(tmp_path, tokenizer):
     differs = sum(len(set(plan.kept[n]) - set(reap.plan.kept[n])) for n in plan.kept)
     assert selection["differs_from_ranking"] == differs
     assert selection["objective"] == "pooled" and selection["groups"] is None
+    (line,) = post_cut_lines({"router_fit": modifier.router_fit})
+    assert line.startswith(f"selection: block_error (pooled error); {differs} kept experts")
     # a layer keeps REAP's cut exactly when the search found no lower error
     for name, rec in selection["layers"].items():
         assert rec["kept_baseline"] == (name in selection["layers_keeping_ranking_cut"])

@@ -20,6 +20,7 @@ from tiny_models import build_tiny, reload_class
 
 from reap_modifier import REAPPruningModifier
 from reap_modifier.calibration.sample_groups import SampleGroups, group_names
+from reap_modifier.checkpoint.verify_manifest import post_cut_lines
 
 SEQ = 24
 #: dataset order of the groups (interleaved, so a shuffled draw mixes them)
@@ -110,6 +111,10 @@ def test_worst_group_selection_sees_each_sample_in_its_group(tmp_path):
         "names": ["en", "zh"],
         "tokens": {"en": SEQ * LABELS.count("en"), "zh": SEQ * LABELS.count("zh")},
     }
+
+    (line,) = post_cut_lines({"router_fit": modifier.router_fit})
+    assert line.startswith("selection: block_error (worst language of en, zh error); ")
+    assert f"; {record['differs_from_ranking']} kept experts differ from reap's cut" in line
 
     unpruned = reload_class("kimi_k3").from_pretrained(tmp_path / "src").eval()
     blocks = moe_blocks(unpruned, "kimi_k3")

@@ -132,10 +132,25 @@ def _check_manifest(
 
 def post_cut_lines(manifest: dict) -> list[str]:
     """One line per post-cut component the manifest records (``router_fit.components``):
-    kept or dropped, the held-out KL before and after, the tensors it changed."""
+    kept or dropped, the held-out KL before and after, the tensors it changed; first, a
+    line for a block-error selection (its objective, how far it moved from the cut)."""
     fit = manifest.get("router_fit") if isinstance(manifest, dict) else None
     components = fit.get("components") if isinstance(fit, dict) else None
     lines = []
+    selection = fit.get("selection") if isinstance(fit, dict) else None
+    if isinstance(selection, dict) and selection.get("method") == "block_error":
+        groups = selection.get("groups")
+        objective = (
+            f"worst {groups.get('column')} of {', '.join(groups.get('names') or [])}"
+            if isinstance(groups, dict)
+            else "pooled"
+        )
+        kept_cut = selection.get("layers_keeping_ranking_cut") or []
+        lines.append(
+            f"selection: block_error ({objective} error); {selection.get('differs_from_ranking')} "
+            f"kept experts differ from {selection.get('candidate_order')}'s cut"
+            + (f"; {len(kept_cut)} layer(s) keep that cut" if kept_cut else "")
+        )
     for c in components if isinstance(components, list) else []:
         if not isinstance(c, dict):
             continue
