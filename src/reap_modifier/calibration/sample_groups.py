@@ -17,6 +17,9 @@ than the pooled one (:func:`reap_modifier.block_selection.select_by_block_error`
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+
 from loguru import logger
 
 __all__ = ["SampleGroups", "group_names", "groups_column_problem"]
@@ -66,22 +69,25 @@ class SampleGroups:
         if problem is not None:
             raise ValueError(problem)
         self.column = column
-        dataset = loader.dataset
-        masks = dataset["attention_mask"] if "attention_mask" in dataset.column_names else None
-        self._rows: dict[tuple[int, ...], str] = {}
-        self._by_prefix: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
-        for n, (ids, label) in enumerate(zip(dataset["input_ids"], dataset[column], strict=True)):
-            if masks is not None:
-                ids = [t for t, m in zip(ids, masks[n], strict=True) if m]
-            key = tuple(int(t) for t in ids)
-            other = self._rows.setdefault(key, label)
-            if other != label:
-                raise ValueError(
-                    f"selection_groups: rows with the same tokens are in {column} {other!r} "
-                    f"and {label!r} (row {n}); a sample's group is told by its tokens, so "
-                    "remove the duplicate"
-                )
-            self._by_prefix.setdefault(key[: self._PREFIX], []).append(key)
+        self._dataset = loader.dataset
+        self._masked = "attention_mask" in self._dataset.column_names
+        # a row by the digest of its tokens (a few dozen bytes a row, whatever its length)
+        self._rows: dict[bytes, str] = {}
+        self._by_prefix: dict[tuple[int, ...], list[int]] = {}
+        n = 0
+        for batch in self._dataset.iter(batch_size=1024):
+            masks = batch["attention_mask"] if self._masked else [None] * len(batch[column])
+            for ids, mask, label in zip(batch["input_ids"], masks, batch[column], strict=True):
+                tokens = _unpadded(ids, mask)
+                other = self._rows.setdefault(_digest(tokens), label)
+                if other != label:
+                    raise ValueError(
+                        f"selection_groups: rows with the same tokens are in {column} "
+                        f"{other!r} and {label!r} (row {n}); a sample's group is told by its "
+                        "tokens, so remove the duplicate"
+                    )
+                self._by_prefix.setdefault(tuple(tokens[: self._PREFIX]), []).append(n)
+                n += 1
 
     def label(self, ids, mask=None) -> str:
         """The group of one calibrated sample (``ids``, ``mask``: ``[T]`` tensors).
@@ -89,19 +95,19 @@ class SampleGroups:
         :raises RuntimeError: no dataset row has (or begins with) those tokens, or rows
             of several groups begin with them
         """
-        tokens = ids[mask.bool()] if mask is not None else ids
-        key = tuple(tokens.tolist())
-        found = self._rows.get(key)
+        tokens = (ids[mask.bool()] if mask is not None else ids).tolist()
+        found = self._rows.get(_digest(tokens))
         if found is not None:
             return found
-        labels = {
-            self._rows[row]
-            for row in self._by_prefix.get(key[: self._PREFIX], [])
-            if row[: len(key)] == key
-        }
+        labels = set()
+        for n in self._by_prefix.get(tuple(tokens[: self._PREFIX]), []):
+            row = self._dataset[n]
+            full = _unpadded(row["input_ids"], row["attention_mask"] if self._masked else None)
+            if full[: len(tokens)] == tokens:
+                labels.add(row[self.column])
         if len(labels) != 1:
             raise RuntimeError(
-                f"selection_groups: a calibrated sample of {len(key)} tokens "
+                f"selection_groups: a calibrated sample of {len(tokens)} tokens "
                 + (
                     "matches no row of the calibration dataset"
                     if not labels
@@ -111,6 +117,16 @@ class SampleGroups:
                 "row, batch_size 1) or drop the rows that share a beginning"
             )
         return labels.pop()
+
+
+def _unpadded(ids, mask) -> list[int]:
+    if mask is None:
+        return [int(t) for t in ids]
+    return [int(t) for t, m in zip(ids, mask, strict=True) if m]
+
+
+def _digest(tokens: list[int]) -> bytes:
+    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 def group_names(rows: list[str], labelled: set[str], column: str) -> list[str]:
