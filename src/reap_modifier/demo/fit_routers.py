@@ -72,6 +72,12 @@ def fit_router_checkpoint(
         import shutil
 
         shutil.rmtree(dst)
+    import torch
+
+    # oneshot shuffles the calibration samples with torch's global generator, and which of
+    # them are held out to validate the fit follows that order: seeded here, every fit of a
+    # mix draws the same order, whatever ran before it in the job
+    torch.manual_seed(cfg.seed)
     oneshot(
         model=model,
         recipe=[modifier],
