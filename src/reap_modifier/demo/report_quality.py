@@ -121,7 +121,7 @@ def router_fit_section(res: Results) -> list[str]:
             if change <= -FIT_TARGET:
                 met += 1
             else:
-                missed.append(f"{alone.label} {lang}")
+                missed.append(f"{alone.label}: {_fit_name(fitted.label, alone.label)} {lang}")
             lines.append(
                 f"| {alone.label} | {_fit_name(fitted.label, alone.label)} |"
                 f" {fitted.pruned.fit.kept} |"
