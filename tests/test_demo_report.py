@@ -42,3 +42,13 @@ def test_paired_rows_of_the_recorded_run_are_the_recorded_pairs():
         ("reap_en_zh_code", "reap_en_zh_code_fit", True),
         ("reap_en_25", "reap_en_zh_25", False),
     ]
+
+
+def test_a_generation_stays_on_one_line_of_the_report():
+    """Greedy text may hold ``\\r`` or other line breaks; the report escapes them, so a reader
+    with universal newlines reads back what was written."""
+    from reap_modifier.demo.report_generations import _md
+
+    text = _md("a\rb\nc|d\x0be\u2028f\tg`")
+    assert text.splitlines() == [text]
+    assert text == "a\\u000db \u21b5 c\\|d\\u000be\\u2028f\tg'"

@@ -3,6 +3,8 @@ check) and the continuations themselves."""
 
 from __future__ import annotations
 
+import unicodedata
+
 from .config import LANGS
 from .records import Results
 
@@ -46,4 +48,11 @@ def generations_section(res: Results) -> list[str]:
 
 
 def _md(text: str) -> str:
-    return text.replace("`", "'").replace("\n", " \u21b5 ").replace("|", "\\|")
+    """``text`` on one markdown line: newlines as a visible arrow, any other control or line
+    separator character (a generation may hold ``\\r``, which a reader's universal newlines
+    would turn into a line break) as its ``\\uXXXX`` escape."""
+    text = text.replace("`", "'").replace("\n", " \u21b5 ").replace("|", "\\|")
+    return "".join(
+        f"\\u{ord(c):04x}" if c != "\t" and unicodedata.category(c) in ("Cc", "Zl", "Zp") else c
+        for c in text
+    )
