@@ -134,7 +134,6 @@ class PostCutFit:
         self.tensors: dict[str, dict[str, torch.Tensor]] = {}
         #: each calibrated sample's group (``selection_groups``)
         self.groups: SampleGroups | None = None
-        self._all_labels: set[str] | None = None
 
     def locate_samples(self, located: dict, group, loader=None) -> None:
         """Where this rank's samples stand in one process's order
@@ -193,12 +192,12 @@ class PostCutFit:
         # of the weights in llm-compressor's data-parallel offload, so their writes must not
         # mix) while the others wait, then every rank holds its result
         labels = self._sample_labels(capture)
-        rows, groups = {}, {}
+        rows, positions = {}, {}
         for n in self.arch.layer_names:
             chunks = _gathered(capture.chunks(n), self.group)
             rows[n] = join_chunks(chunks, s.tokens)
             if labels is not None:
-                groups[n] = [labels[p] for p in row_positions(chunks, s.tokens).tolist()]
+                positions[n] = row_positions(chunks, s.tokens)
         held = sorted(_gathered(capture.validation_samples(), self.group), key=lambda h: h[0])
         empty = [n for n, (x, _) in rows.items() if x.shape[0] < 2]
         if empty:
@@ -209,6 +208,7 @@ class PostCutFit:
         if self._rank() != 0:
             self._follow(apply_plan)
             return
+        groups = self._row_groups(labels, positions)
         self._run_first(model, plan, ranking, apply_plan, overlay, rows, held, groups)
         self._share((self.record, self.tensors))
 
@@ -216,13 +216,26 @@ class PostCutFit:
         """Every rank's calibrated samples' groups by position (``None``: no groups)."""
         if self.groups is None:
             return None
-        labels = dict(_gathered(list(capture.labels.items()), self.group))
-        self._all_labels = set(labels.values())
-        return labels
+        return dict(_gathered(list(capture.labels.items()), self.group))
+
+    def _row_groups(self, labels: dict[int, str] | None, positions: dict[str, torch.Tensor]):
+        """``(names, {layer: [N] group index of each captured row})`` from the samples'
+        ``labels`` and each row's sample position (``None`` without groups); warns once
+        when the rows miss a group of the calibration, or hold one only."""
+        if labels is None:
+            return None
+        first = [labels[p] for p in positions[self.arch.layer_names[0]].tolist()]
+        names = group_names(first, set(labels.values()), self.settings.selection_groups)
+        index = {g: i for i, g in enumerate(names)}
+        ids = {
+            n: torch.tensor([index[labels[p]] for p in pos.tolist()], dtype=torch.long)
+            for n, pos in positions.items()
+        }
+        return names, ids
 
     def _run_first(self, model, plan, ranking, apply_plan, overlay, rows, held, groups) -> None:
-        """The post-cut step on the first (or only) rank; ``groups``: each captured row's
-        group per layer (empty without ``selection_groups``)."""
+        """The post-cut step on the first (or only) rank; ``groups``: the group names and
+        each captured row's group index per layer (``None`` without ``selection_groups``)."""
         s = self.settings
         if not s.components:
             self._cut(model, plan, ranking, rows, apply_plan, overlay, groups)
@@ -295,7 +308,7 @@ class PostCutFit:
                     rows,
                     candidates=s.selection_candidates,
                     drops=s.selection_drops,
-                    groups=groups or None,
+                    groups=groups,
                 )
         self._share(plan)
         apply_plan(plan)
@@ -352,25 +365,23 @@ class PostCutFit:
         *,
         candidates: int | None,
         drops: int,
-        groups: dict[str, list[str]] | None = None,
+        groups: tuple[list[str], dict[str, torch.Tensor]] | None = None,
     ) -> PruningPlan:
         """``selection: block_error``: the same keep count as ``plan``, the kept experts
         chosen per layer by greedy elimination on the block's re-routed output error
-        (:mod:`reap_modifier.block_selection`; with ``groups``, each row's group, the
-        worst group's error), ``ranking`` (the cut's saliency) ordering the candidates;
-        call on the unpruned model."""
+        (:mod:`reap_modifier.block_selection`; with ``groups``, the group names and each
+        row's group index per layer, the worst group's error), ``ranking`` (the cut's
+        saliency) ordering the candidates; call on the unpruned model."""
         from compressed_tensors import align_module_device
         from tqdm.auto import tqdm
 
         from .block_selection import select_by_block_error
 
-        names = self._group_names(groups)
+        names, row_groups = groups if groups is not None else (None, {})
         keep, kept, records = plan.num_kept, {}, {}
         for layer in tqdm(self.arch.layers, desc="REAP block-error selection"):
             x, y = rows[layer.name]
-            ids_of = None
-            if names is not None:
-                ids_of = torch.tensor([names.index(g) for g in groups[layer.name]])
+            ids_of = row_groups.get(layer.name)
             with align_module_device(layer.block):
                 device = layer.router.weight.device
                 ids, record = select_by_block_error(
@@ -391,6 +402,14 @@ class PostCutFit:
         retained = {n: retained_mass(ranking[n], ids) for n, ids in kept.items() if n in ranking}
         changed = sum(len(set(kept[n]) - set(plan.kept[n])) for n in kept)
         kept_cut = sorted(n for n, r in records.items() if r["kept_baseline"])
+        group_record = None
+        if names is not None:
+            counts = row_groups[self.arch.layer_names[0]].bincount(minlength=len(names))
+            group_record = {
+                "column": self.settings.selection_groups,
+                "names": names,
+                "tokens": dict(zip(names, counts.tolist(), strict=True)),
+            }
         logger.info(
             f"REAP block-error selection: {keep} experts per layer; {changed} of "
             f"{keep * len(kept)} kept experts differ from {plan.saliency}'s cut"
@@ -404,13 +423,7 @@ class PostCutFit:
             "differs_from_ranking": changed,
             "layers_keeping_ranking_cut": kept_cut,
             "objective": "pooled" if names is None else "worst_group",
-            "groups": None
-            if names is None
-            else {
-                "column": self.settings.selection_groups,
-                "names": names,
-                "tokens": {g: groups[self.arch.layer_names[0]].count(g) for g in names},
-            },
+            "groups": group_record,
             "layers": records,
         }
         return PruningPlan(
@@ -420,12 +433,6 @@ class PostCutFit:
             params={**plan.params, "selection": "block_error", "candidate_order": plan.saliency},
             retained=retained,
         )
-
-    def _group_names(self, groups: dict[str, list[str]] | None) -> list[str] | None:
-        if not groups:
-            return None
-        rows = groups[self.arch.layer_names[0]]
-        return group_names(rows, self._all_labels or set(), self.settings.selection_groups)
 
     def _component(self, component, model, rows, validation, kl_now, layers, changed) -> dict:
         """Fit ``component`` on every layer, then keep it (its tensors join ``changed``)
