@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -322,6 +323,25 @@ def tensor_sha256(path: str | os.PathLike) -> dict[str, str]:
                     t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
                 ).hexdigest()
     return out
+
+
+#: a routed expert tensor's name: its MoE block, expert index and the rest
+EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<idx>\d+)\.(?P<rest>.+)$")
+
+
+def kept_experts_are_source_bytes(src, dst, kept: dict[str, list[int]]) -> int:
+    """Assert that every routed-expert tensor of ``dst`` in a block of ``kept`` hashes
+    equal to the source tensor of the expert it was cut from (expert ``i`` of a block is
+    ``kept[block][i]`` of the source); returns how many tensors were compared."""
+    src_sha, dst_sha = tensor_sha256(src), tensor_sha256(dst)
+    checked = 0
+    for name, digest in dst_sha.items():
+        m = EXPERT.match(name)
+        if m and m["block"] in kept:
+            old = kept[m["block"]][int(m["idx"])]
+            assert digest == src_sha[f"{m['block']}.experts.{old}.{m['rest']}"], name
+            checked += 1
+    return checked
 
 
 def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -11,12 +11,16 @@ the in-memory model's.
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 import torch
 from conftest import calibration_samples, fresh_process_logits, make_dataset
-from mxfp4_fixtures import build_mxfp4_checkpoint, load_tensors, tensor_sha256, tree_sha256
+from mxfp4_fixtures import (
+    build_mxfp4_checkpoint,
+    kept_experts_are_source_bytes,
+    load_tensors,
+    tree_sha256,
+)
 from pydantic import ValidationError
 from tiny_models import reload_class, sample_input_ids
 
@@ -24,7 +28,6 @@ from reap_modifier import REAPPruningModifier
 from reap_modifier.checkpoint.verify import verify_checkpoint
 from reap_modifier.checkpoint.verify_manifest import post_cut_lines
 
-EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<idx>\d+)\.(?P<rest>.+)$")
 SAMPLES = calibration_samples(128, n=16, seq=32, seed=9)
 
 
@@ -122,14 +125,7 @@ def test_compensation_kept_experts_bit_exact_and_reload_equal(tmp_path, tokenize
     assert final < record["validation"]["kl_cut"] and kept
 
     # routed experts: the source bytes; dense tensors: the in-memory fitted ones
-    src_sha, dst_sha = tensor_sha256(src), tensor_sha256(dst)
-    experts = 0
-    for name, digest in dst_sha.items():
-        m = EXPERT.match(name)
-        if m:
-            old = plan.kept[m["block"]][int(m["idx"])]
-            assert digest == src_sha[f"{m['block']}.experts.{old}.{m['rest']}"], name
-            experts += 1
+    experts = kept_experts_are_source_bytes(src, dst, plan.kept)
     assert experts == len(plan.kept) * 8 * 3 * 2
     saved = load_tensors(dst)
     fitted = {

@@ -9,20 +9,22 @@ fitted model's.
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 import torch
 from conftest import calibration_samples, fresh_process_logits, make_dataset, save_and_reload
-from mxfp4_fixtures import build_mxfp4_checkpoint, load_tensors, tensor_sha256, tree_sha256
+from mxfp4_fixtures import (
+    build_mxfp4_checkpoint,
+    kept_experts_are_source_bytes,
+    load_tensors,
+    tree_sha256,
+)
 from pydantic import ValidationError
 from tiny_models import build_tiny, reload_class, sample_input_ids
 
 from reap_modifier import REAPPruningModifier
 from reap_modifier.checkpoint.verify import verify_checkpoint
 from reap_modifier.router_fit import RouterFitError
-
-EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<idx>\d+)\.(?P<rest>.+)$")
 
 
 def _oneshot(model, modifier, tokenizer, data=True, **kwargs):
@@ -143,14 +145,7 @@ def test_mxfp4_experts_bit_exact_router_fitted_and_reload_equal(tmp_path, tokeni
     _check_fit(modifier, plan.kept)
 
     # every kept expert tensor: the source bytes
-    src_sha, dst_sha = tensor_sha256(src), tensor_sha256(dst)
-    experts = 0
-    for name, digest in dst_sha.items():
-        m = EXPERT.match(name)
-        if m:
-            old = plan.kept[m["block"]][int(m["idx"])]
-            assert digest == src_sha[f"{m['block']}.experts.{old}.{m['rest']}"], name
-            experts += 1
+    experts = kept_experts_are_source_bytes(src, dst, plan.kept)
     assert experts == len(plan.kept) * 8 * 3 * 2  # layers x kept x w1/w2/w3 x packed+scale
 
     # the router weights are the in-memory fitted rows; reap verify says why they differ
