@@ -56,12 +56,6 @@ def _random_kept(E: int, keep: int, n_group: int, gen: torch.Generator) -> list[
     return sorted(kept)
 
 
-def _oracle_errors(family, layer, x, y, kept, groups) -> list[float]:
-    """Per-group relative squared error of the block routed without the dropped experts
-    (:func:`generic_oracle.masked_block_errors`)."""
-    return masked_block_errors(layer.block, family, x, y, kept, groups)
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_evaluator_error_equals_masked_block(variant):
     model, family, arch, layer, x, y = _setup(variant)
@@ -76,7 +70,7 @@ def test_evaluator_error_equals_masked_block(variant):
             mask = torch.zeros(1, E, dtype=torch.bool)
             mask[0, kept] = True
             got = ev.errors(mask)[0].tolist()
-            want = _oracle_errors(family, layer, x, y, kept, groups)
+            want = masked_block_errors(layer.block, family, x, y, kept, groups)
             assert got == pytest.approx(want, rel=1e-4, abs=1e-6), (variant, kept)
             assert max(want) > 1e-3  # a real cut, not a trivially equal zero
     # the cache started small, so some kept sets routed tokens to uncached experts
@@ -170,12 +164,12 @@ def test_a_baseline_no_worse_than_the_search_is_kept():
         layer, x, y, keep, ranking=ranking, candidates=1, baseline=good
     )
     assert kept == good and record.kept_baseline
-    (want,) = _oracle_errors(family, layer, x, y, good, groups)
+    (want,) = masked_block_errors(layer.block, family, x, y, good, groups)
     assert record.objective == pytest.approx(want, rel=1e-4)
     assert record.baseline_objective == record.objective
     kept, record = select_by_block_error(layer, x, y, keep, baseline=bad)
     assert kept == good and not record.kept_baseline
-    (want,) = _oracle_errors(family, layer, x, y, bad, groups)
+    (want,) = masked_block_errors(layer.block, family, x, y, bad, groups)
     assert record.baseline_objective == pytest.approx(want, rel=1e-4)
     with pytest.raises(BlockSelectionError, match="baseline must hold 8 distinct experts"):
         select_by_block_error(layer, x, y, keep, baseline=good[:-1])
