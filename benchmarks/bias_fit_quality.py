@@ -4,8 +4,8 @@ REAP scores are computed once on the en + zh + code calibration splits (``onesho
 ``scores_path``); each MoE block's unpruned inputs and outputs on the same calibration
 windows are captured with forward hooks on the unpruned model. At each sparsity the model
 is cut from the scores, then per layer (on the captured unpruned inputs / outputs, as the
-modifier fits): :func:`reap_modifier.router_fit.fit_router` (rows written), then
-:func:`reap_modifier.bias_fit.fit_bias` (bias written). Reported: the held-out
+modifier fits): :func:`reap_modifier.post_cut.router_fit.fit_router` (rows written), then
+:func:`reap_modifier.post_cut.bias_fit.fit_bias` (bias written). Reported: the held-out
 layer-local error per layer (every 8th fitting token, as both fits hold out) after the cut,
 after the router fit and after the bias fit, and ``KL(unpruned || model)`` per language on
 the main job's held-out ``eval`` windows (never used to fit) for the cut alone, the router
@@ -75,9 +75,9 @@ def cut(fresh, sparsity, scores, tokenizer):
 
 def fit(model, io, *, router: bool, bias: bool, steps: int, lr: float, sweeps: int) -> dict:
     """Fit each layer in place; ``layer -> {stage: held-out error}`` and the fits' records."""
-    from reap_modifier.bias_fit import BIAS_ATTR, fit_bias
     from reap_modifier.models import find_moe_architecture
-    from reap_modifier.router_fit import fit_router
+    from reap_modifier.post_cut.bias_fit import BIAS_ATTR, fit_bias
+    from reap_modifier.post_cut.router_fit import fit_router
 
     out = {}
     for layer in find_moe_architecture(model).layers:

@@ -4,7 +4,7 @@ REAP(en+zh+code) alone, + router fit, + the closed-form refit of the output proj
 tokens), + Adam over the shared expert, the up-projection and the router rows, and the
 closed form followed by Adam. Prints each layer's held-out layer-local error and the KL to
 the unpruned model per language on held-out windows (the main job's eval split). An
-independent implementation of what ``reap_modifier.compensation`` does, written to choose
+independent implementation of what ``reap_modifier.post_cut.compensation`` does, written to choose
 the method; the numbers of docs/router-calibration.md's compensation tables come from it.
 
     PYTHONPATH=src python benchmarks/compensation_quality.py --sparsity 0.5 \
@@ -105,7 +105,8 @@ def capture_block_feats(block, X):
 
 
 def adam_dense(layer, X, Y, steps=200, lr=1e-3, with_router=True):
-    from reap_modifier.router_fit import _ExpertCache, differentiable_dispatch, relative_error
+    from reap_modifier.post_cut.block_fit import ExpertCache as _ExpertCache
+    from reap_modifier.post_cut.block_fit import differentiable_dispatch, relative_error
 
     block = layer.block
     params = list(block.routed_expert_up_proj.parameters()) + list(
@@ -157,7 +158,7 @@ def main():
     from reap_modifier.demo.config import DEFAULT_MODEL
     from reap_modifier.demo.workspace import load_model
     from reap_modifier.models import find_moe_architecture
-    from reap_modifier.router_fit import fit_router
+    from reap_modifier.post_cut.router_fit import fit_router
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens-per-lang", type=int, default=4096)

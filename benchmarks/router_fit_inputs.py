@@ -3,7 +3,7 @@
 ``calibrate_router`` fits layer *i* on the inputs the *unpruned* model gives it (captured
 during calibration, before the cut). At inference the pruned model feeds it inputs that
 carry the error of the pruned layers before it. This fits the same cut both ways on the
-same calibration tokens, with :func:`reap_modifier.router_fit.fit_router` and the
+same calibration tokens, with :func:`reap_modifier.post_cut.router_fit.fit_router` and the
 unpruned block's output on the same input as the target:
 
 ``std``  inputs from the unpruned model (what the modifier does);
@@ -33,7 +33,7 @@ def main() -> None:
     from reap_modifier.demo.workspace import load_model
     from reap_modifier.evaluation import paired_difference
     from reap_modifier.models import find_moe_architecture
-    from reap_modifier.router_fit import fit_router
+    from reap_modifier.post_cut.router_fit import fit_router
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(DEFAULT_MODEL))

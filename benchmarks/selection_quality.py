@@ -10,7 +10,7 @@ each sparsity every layer is cut by:
 - ``reap_x_freq``: REAP x routed count (the sum of gate x norm);
 - ``man``: Mean Activation Norm (arXiv 2606.15716: mean output norm over routed tokens,
   gate-free; the scores file's ``ean_mean``);
-- ``block_error``: :func:`reap_modifier.block_selection.select_by_block_error` on 7 of
+- ``block_error``: :func:`reap_modifier.post_cut.block_selection.select_by_block_error` on 7 of
   every 8 calibration tokens, the worst language's error as the objective (``--pooled``
   adds ``block_pooled``: the pooled error).
 
@@ -64,12 +64,12 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from reap_modifier import REAPPruningModifier
-    from reap_modifier.block_selection import BlockErrorEvaluator, select_by_block_error
     from reap_modifier.demo import data as D
     from reap_modifier.demo.config import DEFAULT_MODEL
     from reap_modifier.demo.workspace import load_model
     from reap_modifier.evaluation import paired_difference
     from reap_modifier.models import find_moe_architecture
+    from reap_modifier.post_cut.block_selection import BlockErrorEvaluator, select_by_block_error
     from reap_modifier.scores import ExpertScores
     from reap_modifier.scores.keep_count import compute_keep_count
     from reap_modifier.scores.plan import PruningPlan, select_experts

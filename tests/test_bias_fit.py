@@ -12,8 +12,9 @@ import pytest
 import torch
 from tiny_models import build_tiny, capture_block_io, sample_input_ids
 
-from reap_modifier.bias_fit import BiasFitError, bias_fit_problem, fit_bias
 from reap_modifier.models import find_moe_architecture
+from reap_modifier.post_cut import BiasFitError
+from reap_modifier.post_cut.bias_fit import bias_fit_problem, fit_bias
 from reap_modifier.surgery import prune_layer
 
 #: sigmoid + score-correction bias routers: Kimi K3 grouped (4 groups, 2 chosen) and
@@ -214,7 +215,9 @@ def test_a_router_whose_choice_differs_from_the_rule_is_refused():
 def test_the_replicated_rule_makes_the_routers_own_choice(family, over):
     """The search routes candidates with :func:`routing`; for random biases its ids and
     weights are the router's own (read from the router's output)."""
-    from reap_modifier.bias_fit import router_scores, routing, routing_rule
+    from reap_modifier.post_cut.routing import read_rule as routing_rule
+    from reap_modifier.post_cut.routing import route_scores as routing
+    from reap_modifier.post_cut.routing import router_scores
 
     model, info = build_tiny(family, seed=5, **over)
     layer = find_moe_architecture(model).layers[0]
@@ -240,7 +243,10 @@ def test_the_tokens_a_move_can_reach_hold_every_token_it_changes():
     token whose routing (recomputed in full) changes must be among them."""
     from types import SimpleNamespace
 
-    from reap_modifier.bias_fit import _reachable, router_scores, routing, routing_rule
+    from reap_modifier.post_cut.bias_fit import _reachable
+    from reap_modifier.post_cut.routing import read_rule as routing_rule
+    from reap_modifier.post_cut.routing import route_scores as routing
+    from reap_modifier.post_cut.routing import router_scores
 
     model, info = build_tiny("kimi_k3", seed=5)
     router = find_moe_architecture(model).layers[0].router

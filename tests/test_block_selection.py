@@ -1,4 +1,4 @@
-"""Block-error expert selection (:mod:`reap_modifier.block_selection`).
+"""Block-error expert selection (:mod:`reap_modifier.post_cut.block_selection`).
 
 The evaluator's error of a kept set is compared with the error of the real block routed
 as if the other experts did not exist, by the masked-routing oracle
@@ -16,12 +16,9 @@ from family_routing import spread_biases_
 from generic_oracle import masked_block_errors
 from tiny_models import build_tiny
 
-from reap_modifier.block_selection import (
-    BlockErrorEvaluator,
-    BlockSelectionError,
-    select_by_block_error,
-)
 from reap_modifier.models import find_moe_architecture
+from reap_modifier.post_cut import BlockSelectionError
+from reap_modifier.post_cut.block_selection import BlockErrorEvaluator, select_by_block_error
 
 N_TOKENS = 96
 

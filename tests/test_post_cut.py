@@ -60,12 +60,16 @@ def _held_out_kl(reference_logits, model, held):
 def test_a_fit_that_does_not_help_is_dropped_and_reported(tmp_path, tokenizer, monkeypatch):
     """A router fit that makes the model worse end to end (here: rows that reverse every
     logit) is put back, and the record, the log and the manifest say so."""
-    from reap_modifier import post_cut
+    from dataclasses import replace
 
-    def reversed_rows(layer, x, y, steps, lr):
-        return {"weight": -3.0 * layer.router.weight.detach().clone()}, _FakeResult()
+    from reap_modifier.post_cut.components import COMPONENT
 
-    monkeypatch.setattr(post_cut, "fit_router", reversed_rows)
+    def reversed_rows(layer, x, y, settings):
+        return {f"{layer.router_attr}.weight": -3.0 * layer.router.weight.detach().clone()}, {
+            "fake": True
+        }
+
+    monkeypatch.setitem(COMPONENT, "router", replace(COMPONENT["router"], fit=reversed_rows))
     fixture = build_mxfp4_checkpoint("kimi_k3", tmp_path / "src", grouped=True)
     source = reload_class("kimi_k3").from_pretrained(fixture.path)
     model = reload_class("kimi_k3").from_pretrained(fixture.path)
@@ -86,11 +90,6 @@ def test_a_fit_that_does_not_help_is_dropped_and_reported(tmp_path, tokenizer, m
         was = source.get_submodule(f"{layer}.gate").weight[kept]
         assert torch.equal(now, was), layer
     assert json.loads(manifest.read_text())["router_fit"]["components"][0]["kept"] is False
-
-
-class _FakeResult:
-    def to_dict(self):
-        return {"fake": True}
 
 
 def test_compensation_kept_experts_bit_exact_and_reload_equal(tmp_path, tokenizer):

@@ -24,7 +24,7 @@ from tiny_models import build_tiny, reload_class, sample_input_ids
 
 from reap_modifier import REAPPruningModifier
 from reap_modifier.checkpoint.verify import verify_checkpoint
-from reap_modifier.router_fit import RouterFitError
+from reap_modifier.post_cut import PostCutError
 
 
 def _oneshot(model, modifier, tokenizer, data=True, **kwargs):
@@ -216,7 +216,7 @@ def test_router_the_adapter_cannot_express(k3_source, tokenizer):
     gate.moe_router_activation_func = "tanh"
     modifier = REAPPruningModifier(sparsity=0.5, calibrate_router=True, validate_fit=False)
     with pytest.raises(
-        RouterFitError, match=r"layers\.1\.block_sparse_moe: router activation 'tanh'"
+        PostCutError, match=r"layers\.1\.block_sparse_moe: router activation 'tanh'"
     ):
         _oneshot(model, modifier, tokenizer)
     assert model.config.text_config.num_experts == 16

@@ -10,6 +10,7 @@ keeps upstream's experts. Scores, plans, manifests, other saliency criteria,
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 import torch
@@ -39,7 +40,12 @@ from .models import MoEArchitecture, find_moe_architecture
 from .models.loading import register_kimi_auto_classes
 from .models.refusals import check_prunable
 from .outputs import ModifierOutputs
-from .post_cut import FitSettings, PostCutFit, check_post_cut_request
+from .post_cut import (
+    PostCutSettings,
+    PostCutStep,
+    asks_post_cut,
+    check_post_cut_request,
+)
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
 from .scores.keep_count import KeepCount, PlanError, compute_keep_count
 from .scores.plan import PruningPlan
@@ -84,7 +90,7 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
     - on_calibration_end
         - remove hooks, restore the flag; reduce the statistics over ranks, decide and
           cut every layer (decision.py), write report, scores and manifest
-          (outputs.py); run the post-cut fits (post_cut.py)
+          (outputs.py); with a post-cut step (post_cut/): choose, cut, fit
     - on_finalize
         - the same cut and fits if calibration never ended, then choose the save path
           (outputs.py) and release the process group
@@ -209,7 +215,7 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
     _layerwise: LayerwiseCut | None = PrivateAttr(default=None)
     _source_fingerprint: str | None = PrivateAttr(default=None)
     _restore_calibrate_all: bool | None = PrivateAttr(default=None)
-    _post_cut: PostCutFit | None = PrivateAttr(default=None)
+    _post_cut: PostCutStep | None = PrivateAttr(default=None)
     _ranking: dict | None = PrivateAttr(default=None)
     _capture: BlockIOCapture | None = PrivateAttr(default=None)
     _deferred_plan: PruningPlan | None = PrivateAttr(default=None)
@@ -257,15 +263,7 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
     def fits_after_cut(self) -> bool:
         """Whether the post-cut step runs (a block-error selection, or a fit of the router,
         the bias or the dense tensors): the cut waits for the blocks' captured inputs."""
-        return (
-            self.calibrate_router
-            or self.calibrate_bias
-            or self.compensate
-            or self.selection == "block_error"
-        )
-
-    def _fit_fields(self) -> str:
-        return recipe_rules.fit_fields(self)
+        return asks_post_cut(self)
 
     @property
     def calibrates(self) -> bool:
@@ -392,7 +390,7 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
             self._checkpoint.complete()  # the last layer's statistics, before any decision
         if self._plan is None and self._observer is not None:
             self._decide_and_prune(state.model)
-        self._fit_routers(state.model)
+        self._run_post_cut(state.model)
 
     def on_finalize(self, state: State, **kwargs) -> bool:
         # never restore the calibrate-all flag here: finalize runs after oneshot's own
@@ -409,7 +407,7 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
         self._release_packed()
         if self._plan is None and self._deferred_plan is None:
             self._decide_and_prune(state.model)
-        self._fit_routers(state.model)
+        self._run_post_cut(state.model)
         self._choose_save_path(state.model)
         if self._cpu_group is not None:
             import torch.distributed as dist
@@ -422,16 +420,19 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
 
     def _apply(self, model: torch.nn.Module, plan: PruningPlan) -> None:
         if self._capture is not None:
-            # router fit: cut once the unpruned blocks' outputs are captured
+            # post-cut step: cut once the unpruned blocks' outputs are captured
             self._deferred_plan = plan
             return
+        self._cut_model(model, plan)
+        if distributed.is_source_process():
+            self._write_outputs(plan)
+
+    def _cut_model(self, model: torch.nn.Module, plan: PruningPlan) -> None:
         self._plan = plan
         apply_plan(model, self._arch, plan)
         # before any output is written: every tensor cut, one forward runs (packed
         # experts: the checkpoint rewriter verifies instead of decompressing the model)
         self._check_whole(model, plan)
-        if distributed.is_source_process():
-            self._write_outputs(plan)
 
     def _check_whole(self, model: torch.nn.Module, plan: PruningPlan) -> None:
         observer = self._observer
@@ -444,43 +445,39 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
             block_inputs=observer.block_inputs if observer is not None else None,
         )
 
-    # -- router calibration ------------------------------------------------------------
+    # -- the post-cut step (post_cut/) --------------------------------------------------
 
     def _check_post_cut(self, state: State) -> None:
         """Refuse what the post-cut step cannot do, before any model work."""
-        settings = FitSettings.from_recipe(self)
-        check_post_cut_request(
-            state,
-            self._arch,
-            settings.components,
-            self._fit_fields(),
-            type(self),
-            selection=settings.selection,
-        )
-        self._post_cut = PostCutFit(self._arch, settings)
+        settings = PostCutSettings.from_recipe(self)
+        check_post_cut_request(state, self._arch, settings, type(self))
+        self._post_cut = PostCutStep(self._arch, settings)
 
-    def _fit_routers(self, model: torch.nn.Module) -> None:
-        """The post-cut step: apply the cut (deferred until every MoE block's unpruned
-        inputs and outputs were captured; a block-error selection re-chooses its experts
-        first), then fit and validate each component (:mod:`.post_cut`)."""
-        post_cut = self._post_cut
-        if self._capture is None or self._deferred_plan is None or post_cut is None:
+    def _run_post_cut(self, model: torch.nn.Module) -> None:
+        """The post-cut step around the cut deferred until every MoE block's unpruned
+        inputs and outputs were captured: choose the plan (a block-error selection may
+        re-choose its experts), cut, fit and validate each component; then write the
+        outputs, once."""
+        step = self._post_cut
+        if self._capture is None or self._deferred_plan is None or step is None:
             return
         self._capture = None  # the cut is no longer deferred
         plan, self._deferred_plan = self._deferred_plan, None
-
-        def overlay():
-            if not compressed_modules(model):
-                return None
-            packed = PackedCompute(model, "expert" if self.dequantize == "expert" else "layer")
-            packed.attach()
-            return packed
-
-        post_cut.run(model, plan, self._ranking or {}, lambda p: self._apply(model, p), overlay)
-        self._router_fit = post_cut.record
-        self._fitted_tensors = post_cut.tensors
+        overlay = partial(self._packed_overlay, model)
+        plan = step.choose(model, plan, self._ranking or {}, overlay)
+        self._cut_model(model, plan)
+        self._router_fit = step.fit(model, overlay)
+        self._fitted_tensors = step.tensors
         if distributed.is_source_process():
-            self._write_outputs(self._plan)  # the manifest records the fit
+            self._write_outputs(plan)  # the manifest records the fit
+
+    def _packed_overlay(self, model: torch.nn.Module) -> PackedCompute | None:
+        """Packed experts made computable for one post-cut stage (``None``: not packed)."""
+        if not compressed_modules(model):
+            return None
+        packed = PackedCompute(model, "expert" if self.dequantize == "expert" else "layer")
+        packed.attach()
+        return packed
 
     @property
     def router_fit(self) -> dict | None:

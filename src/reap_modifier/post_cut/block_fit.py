@@ -1,46 +1,30 @@
-"""Router calibration after a cut: fit one MoE layer's router so that the pruned block
-reproduces the unpruned block's output; every expert stays as it is.
+"""The post-cut fitting engine: fit any tensors of an already pruned MoE block so that it
+reproduces the unpruned block's output on captured rows, with the routed experts frozen.
 
-After REAP drops experts, each token whose top-k held a dropped expert is sent to the
-next-best kept ones with weights that were never fitted for that. For one MoE layer,
-given its calibration inputs ``X`` and the *unpruned* block's outputs ``Y`` on them
-(captured before the cut, see :mod:`reap_modifier.calibration.block_io`), this module
-fits the pruned router's rows so that the pruned block's output ``B(X)`` matches ``Y``:
+For one MoE layer, given its calibration inputs ``X`` and the *unpruned* block's outputs
+``Y`` on them (captured before the cut, :mod:`reap_modifier.calibration.block_io`):
 
     minimise  L = sum_t ||B(x_t) - y_t||^2 / sum_t ||y_t||^2     (relative squared error)
 
-over the router ``weight`` (and a linear router's ``bias``), with the experts, the
-shared experts and the latent projections frozen, through the model's own routing:
-the block's own ``forward`` and router (sigmoid / softmax, score-correction bias,
-grouped top-k, renormalisation, routed scaling factor) run unchanged; only the
-dispatch to the routed experts is swapped (:func:`differentiable_dispatch`) for one that
-computes the selected experts' outputs without gradient and combines them with the
-routing weights *with* gradient (every supported family's block output is linear in
-the routing weights: ``sum_k w_k f_{e_k}(x)``).
+over the block tensors named in ``params``, through the model's own routing: the block's
+own ``forward`` and router (sigmoid / softmax, score-correction bias, grouped top-k,
+renormalisation, routed scaling factor) run unchanged; only the dispatch to the routed
+experts is swapped (:func:`differentiable_dispatch`) for one that computes the selected
+experts' outputs without gradient and combines them with the routing weights *with*
+gradient (every supported family's block output is linear in the routing weights:
+``sum_k w_k f_{e_k}(x)``).
 
-Method (chosen by measurement, see ``docs/router-calibration.md``): full-batch Adam
-steps on ``L`` through the selected experts' routing weights, the top-k selection
-recomputed by the router at every step (so tokens move between experts as the rows
-change), with early stopping on held-out fitting tokens (every 8th token): the fitted
-rows are those of the step with the lowest held-out loss, and the cut's rows are kept
-when no step lowers it, so a fit never makes the layer-local loss worse on held-out
-tokens. Why not a closed-form / second-order step: the map from rows to output is
-piecewise (the top-k selection) and, within a selection, non-linear (sigmoid/softmax
-and renormalisation); a Gauss-Newton step needs the ``[E*H]^2`` curvature of the
-weights (K3: 448 x 7168 rows, a 10^13-entry matrix) or a per-row block approximation
-that ignores renormalisation, and a step solved for one selection is invalidated as
-soon as the selection moves. Measured on tiny models of each router kind
-(``benchmarks/router_fit_tiny.py --lbfgs``, half the experts cut): at 100 iterations
-Adam with early stopping reached a lower held-out loss than L-BFGS (quasi-Newton,
-strong-Wolfe line search, same loss and parametrisation) on 6 of 6 layers (e.g. K3
-0.41 vs 0.50, DeepSeek-V3 0.75 vs 0.79); L-BFGS fits the training tokens as well or
-better and is ahead at 20 iterations, but overfits. Each Adam step costs one pass of
-the layer's selected experts over the fitting tokens (expert outputs are cached per
-token and recomputed only where the selection changed).
+Method (chosen by measurement, see ``docs/router-calibration.md``): full-batch Adam steps
+on ``L``, the top-k selection recomputed by the router at every step (so tokens move
+between experts as the rows change), with early stopping on held-out fitting rows
+(:func:`holdout_rows`): the fitted tensors are those of the step with the lowest held-out
+loss, and the current tensors are kept when no step lowers it. Each Adam step costs one
+pass of the layer's selected experts over the fitting tokens (expert outputs are cached
+per token and recomputed only where the selection changed, :class:`ExpertCache`).
 
-The score-correction bias (DeepSeek-V3 / Kimi K3 ``e_score_correction_bias``) only
-moves the top-k *selection*, never a routing weight, so it receives no gradient; it is
-kept as the cut left it (its kept rows) and the fit reports it as not fitted.
+Users: the router fit (:mod:`.router_fit`), compensation's gradient step
+(:mod:`.compensation`); the bias fit and the block-error selection use its cache, loss
+and row rules.
 """
 
 from __future__ import annotations
@@ -53,38 +37,32 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from .models import MoELayer
+from ..models import MoELayer
+from .dispatch import block_tensor, one_slot, routed_dispatch
+from .errors import RouterFitError
 
 __all__ = [
-    "FIT_METHOD",
-    "FITTED_PARAMS",
-    "RouterFitError",
-    "RouterFitResult",
+    "HOLDOUT_EVERY",
+    "BlockFitResult",
+    "ExpertCache",
     "block_output",
+    "check_rows",
     "differentiable_dispatch",
     "fit_block",
-    "fit_router",
     "holdout_rows",
+    "read_tensors",
     "relative_error",
-    "router_params",
-    "router_fit_problem",
+    "tensors_written",
     "trainable",
+    "write_tensors",
 ]
 
-FIT_METHOD = "adam-layer-local"
-#: router tensors the fit changes (when the router has them)
-FITTED_PARAMS = ("weight", "bias")
-#: every ``HOLDOUT_EVERY``-th fitting token is held out for early stopping
+#: every ``HOLDOUT_EVERY``-th fitting row is held out for early stopping
 HOLDOUT_EVERY = 8
-_KIMI_ACTIVATIONS = ("sigmoid", "softmax")
-
-
-class RouterFitError(ValueError):
-    """A router the fit cannot express, or fitting data that cannot be used."""
 
 
 @dataclass
-class RouterFitResult:
+class BlockFitResult:
     """What one layer's fit did (losses are relative squared errors, see :func:`relative_error`)."""
 
     tokens: int
@@ -100,27 +78,19 @@ class RouterFitResult:
         return asdict(self)
 
 
-def router_fit_problem(layer: MoELayer) -> str | None:
-    """Why the fit cannot express ``layer``'s router, or ``None`` when it can."""
-    router = layer.router
-    weight = getattr(router, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        return f"{layer.name}: router {type(router).__name__} has no 2-D `weight`"
-    if not weight.is_floating_point():
-        return (
-            f"{layer.name}: router weight is {weight.dtype} (quantized); the fit needs a "
-            "floating-point router (keep the router out of the quantization scheme)"
+def check_rows(
+    name: str, inputs: torch.Tensor, targets: torch.Tensor, minimum: int, error: type
+) -> None:
+    """Refuse rows that are not ``[tokens >= minimum, hidden]`` inputs and targets of one
+    shape (``error``: the calling stage's error class)."""
+    if inputs.dim() != 2 or inputs.shape != targets.shape or inputs.shape[0] < minimum:
+        raise error(
+            f"{name}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} "
+            f"must both be [tokens >= {minimum}, hidden]"
         )
-    if layer.kind == "kimi":
-        act = getattr(router, "moe_router_activation_func", None)
-        if act not in _KIMI_ACTIVATIONS:
-            return f"{layer.name}: router activation {act!r} is not one of {_KIMI_ACTIVATIONS}"
-    elif layer.kind != "experts_call":
-        return f"{layer.name}: dispatch shape {layer.kind!r} has no differentiable dispatch"
-    return None
 
 
-class _ExpertCache:
+class ExpertCache:
     """Selected experts' outputs per (token, slot), recomputed only where the selection moved."""
 
     def __init__(self) -> None:
@@ -150,69 +120,28 @@ class _ExpertCache:
 
 
 @contextmanager
-def _instance_attrs(obj: object, **attrs) -> Iterator[None]:
-    """Set instance attributes for the context; restore what the instance held before
-    (e.g. compressed-tensors' offload ``forward`` wrapper) or remove them."""
-    saved = {k: vars(obj)[k] for k in attrs if k in vars(obj)}
-    for k, v in attrs.items():
-        object.__setattr__(obj, k, v)
-    try:
-        yield
-    finally:
-        for k in attrs:
-            if k in saved:
-                object.__setattr__(obj, k, saved[k])
-            else:
-                object.__delattr__(obj, k)
-
-
-@contextmanager
-def differentiable_dispatch(layer: MoELayer, cache: _ExpertCache | None = None) -> Iterator[None]:
+def differentiable_dispatch(layer: MoELayer, cache: ExpertCache | None = None) -> Iterator[None]:
     """Within the context, ``layer.block(x)`` is differentiable in its routing weights.
 
     The routed experts are called under ``no_grad`` one top-k slot at a time with weight
-    1 (so ``f_e(x)`` is exactly what the model's dispatch computes), and the block gets
-    ``sum_k w_k f_k`` with ``w`` carrying gradient. The block's own forward and router
-    run unchanged.
+    1 (:func:`~.dispatch.one_slot`), and the block gets ``sum_k w_k f_k`` with ``w``
+    carrying gradient. The block's own forward and router run unchanged.
     """
-    cache = cache if cache is not None else _ExpertCache()
-    if layer.kind == "kimi":
-        block = layer.block
-        original = type(block).moe_infer
+    cache = cache if cache is not None else ExpertCache()
+    slot = one_slot(layer)
 
-        def one_slot(x, ids, ones):
-            return original(block, x, ids, ones)
+    def dispatch(x, ids, weights):
+        outs = cache.get(x, ids, slot)
+        return (outs.to(weights.dtype) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
-        def dispatch(x, ids, weights):
-            outs = cache.get(x, ids, one_slot)
-            return (outs.to(weights.dtype) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
-
-        # calibrate-all mode dispatches to moe_train
-        with _instance_attrs(block, moe_infer=dispatch, moe_train=dispatch):
-            yield
-    else:
-        experts = layer.experts
-        original = experts.forward
-
-        def one_slot(x, ids, ones):
-            return original(x, ids, ones.to(x.dtype))
-
-        def forward(x, ids, weights):
-            outs = cache.get(x, ids, one_slot)
-            return (outs.to(weights.dtype) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
-
-        with _instance_attrs(experts, forward=forward):
-            yield
-
-
-def _output(out) -> torch.Tensor:
-    return out[0] if isinstance(out, tuple) else out
+    with routed_dispatch(layer, dispatch):
+        yield
 
 
 def block_output(layer: MoELayer, inputs: torch.Tensor) -> torch.Tensor:
     """The block's output on ``inputs`` ``[N, H]`` (no gradient), as ``[N, H]``."""
     with torch.no_grad():
-        return _output(layer.block(inputs.unsqueeze(0))).reshape(inputs.shape[0], -1)
+        return block_tensor(layer.block(inputs.unsqueeze(0))).reshape(inputs.shape[0], -1)
 
 
 def relative_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -281,6 +210,46 @@ def trainable(
             parent._modules[attr] = module
 
 
+def read_tensors(layer: MoELayer, params: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """CPU copies of the block tensors ``params`` (``{path: [names]}``) by ``"path.name"``,
+    offloaded or not."""
+    from compressed_tensors import align_module_device
+
+    out = {}
+    for path, names in params.items():
+        module = layer.block.get_submodule(path)
+        with align_module_device(module):
+            for n in names:
+                out[f"{path}.{n}"] = getattr(module, n).detach().to("cpu", copy=True)
+    return out
+
+
+def write_tensors(layer: MoELayer, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``tensors`` (``{"path.name": tensor}``, paths in the block) into ``layer``'s
+    block, offloaded or not."""
+    from compressed_tensors.offload import update_offload_parameter
+
+    for name, tensor in tensors.items():
+        path, _, attr = name.rpartition(".")
+        update_offload_parameter(layer.block.get_submodule(path), attr, tensor)
+
+
+@contextmanager
+def tensors_written(layer: MoELayer, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """``tensors`` written into ``layer``'s block for the context, the previous values put
+    back on exit."""
+    params: dict[str, list[str]] = {}
+    for name in tensors:
+        path, _, attr = name.rpartition(".")
+        params.setdefault(path, []).append(attr)
+    saved = read_tensors(layer, params)
+    write_tensors(layer, tensors)
+    try:
+        yield
+    finally:
+        write_tensors(layer, saved)
+
+
 def holdout_rows(tokens: int) -> torch.Tensor:
     """Which of ``tokens`` fitting rows are held out for early stopping (every
     :data:`HOLDOUT_EVERY`-th; the last when there are fewer)."""
@@ -291,40 +260,6 @@ def holdout_rows(tokens: int) -> torch.Tensor:
     return held
 
 
-def router_params(layer: MoELayer) -> dict[str, list[str]]:
-    """The router tensors the fit changes (:data:`FITTED_PARAMS` the router has)."""
-    router = layer.router
-    names = [n for n in FITTED_PARAMS if isinstance(getattr(router, n, None), torch.Tensor)]
-    return {layer.router_attr: names}
-
-
-def fit_router(
-    layer: MoELayer,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    steps: int = 100,
-    lr: float = 1e-2,
-) -> tuple[dict[str, torch.Tensor], RouterFitResult]:
-    """Fit ``layer``'s (already pruned) router to the unpruned block's outputs.
-
-    :param inputs: ``[N, H]`` the layer's calibration inputs (no padding rows)
-    :param targets: ``[N, H]`` the unpruned block's outputs on ``inputs``
-    :param steps: Adam steps (full batch over the fitting tokens)
-    :param lr: Adam step size relative to the root-mean-square of the router weight
-    :returns: the fitted router tensors by attribute name (in the router's dtype; the
-        cut's rows when no step lowered the held-out loss) and the fit's record; the
-        layer itself is left unchanged
-    :raises RouterFitError: the router cannot be expressed, or the shapes disagree
-    """
-    problem = router_fit_problem(layer)
-    if problem is not None:
-        raise RouterFitError(problem)
-    fitted, result = fit_block(layer, inputs, targets, router_params(layer), steps=steps, lr=lr)
-    prefix = f"{layer.router_attr}."
-    return {k.removeprefix(prefix): v for k, v in fitted.items()}, result
-
-
 def fit_block(
     layer: MoELayer,
     inputs: torch.Tensor,
@@ -333,7 +268,7 @@ def fit_block(
     *,
     steps: int = 100,
     lr: float = 1e-2,
-) -> tuple[dict[str, torch.Tensor], RouterFitResult]:
+) -> tuple[dict[str, torch.Tensor], BlockFitResult]:
     """Fit the block tensors ``params`` (``{module path in the block: [parameter
     names]}``) of an already pruned ``layer`` to the unpruned block's outputs: the
     method of this module (full-batch Adam through the model's own routing, the routed
@@ -348,20 +283,16 @@ def fit_block(
     (Over 80 lines: the Adam loop, its held-out early stopping and the final record read
     best as one piece.)
     """
-    if inputs.dim() != 2 or inputs.shape != targets.shape or inputs.shape[0] < 2:
-        raise RouterFitError(
-            f"{layer.name}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} "
-            "must both be [tokens >= 2, hidden]"
-        )
+    check_rows(layer.name, inputs, targets, 2, RouterFitError)
     held = holdout_rows(inputs.shape[0])
     x_fit, y_fit = inputs[~held], targets[~held]
     x_held, y_held = inputs[held], targets[held]
-    fit_cache, held_cache = _ExpertCache(), _ExpertCache()
+    fit_cache, held_cache = ExpertCache(), ExpertCache()
 
     def loss_on(x, y, cache) -> torch.Tensor:
         sync()
         with differentiable_dispatch(layer, cache):
-            return relative_error(_output(layer.block(x.unsqueeze(0))).reshape(y.shape), y)
+            return relative_error(block_tensor(layer.block(x.unsqueeze(0))).reshape(y.shape), y)
 
     dtypes = {n: p.dtype for n, p in _current(layer, params).items()}
     with trainable(layer, params) as (masters, sync):
@@ -396,11 +327,11 @@ def fit_block(
         with torch.no_grad():
             for n in masters:
                 masters[n].copy_(fitted[n].float())
-            fit_after = loss_on(x_fit, y_fit, _ExpertCache()).item()
-            held_after = loss_on(x_held, y_held, _ExpertCache()).item()
+            fit_after = loss_on(x_fit, y_fit, ExpertCache()).item()
+            held_after = loss_on(x_held, y_held, ExpertCache()).item()
             if fit_before is None:
                 fit_before = fit_after
-    result = RouterFitResult(
+    result = BlockFitResult(
         tokens=int(inputs.shape[0]),
         steps=steps,
         best_step=best_step,

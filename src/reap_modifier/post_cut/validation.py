@@ -1,7 +1,7 @@
 """Whether a post-cut component made the whole model better: held-out calibration
 batches, the unpruned model's next-token distributions on them (recorded before the
 cut), and the pruned model's mean ``KL(unpruned || pruned)`` per token on them
-(:mod:`reap_modifier.post_cut` keeps a component only when this drops)."""
+(the post-cut step keeps a component only when this drops)."""
 
 from __future__ import annotations
 
