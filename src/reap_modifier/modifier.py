@@ -95,68 +95,43 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
         - the same cut and fits if calibration never ended, then choose the save path
           (outputs.py) and release the process group
 
+    Fields (each with its default and rules in ``docs/recipe.md``):
+
     :param sparsity: fraction of experts to drop per layer, in (0, 1)
     :param num_experts_to_keep: experts to keep per layer (instead of ``sparsity``)
     :param divisible_by: round the kept count down to a multiple (e.g. 8 for EP)
     :param saliency: ranking criterion: ``reap`` (default), ``frequency``,
-        ``weighted_frequency``, ``ean``, ``ean_mean``, ``max_norm``
-    :param selection: ``saliency`` (default) keeps the top experts by ``saliency``;
-        ``block_error`` re-chooses the same count per layer by the pruned block's re-routed
-        output error on calibration tokens (``docs/selection.md``), trying the
-        ``selection_candidates`` lowest-ranked experts per step, dropping ``selection_drops``
-    :param selection_groups: with ``block_error``, a string column of the calibration
-        dataset naming each sample's group (e.g. its language): minimise the worst group's
-        error instead of the pooled one
-    :param ignore: module-name regexes (``re.search``; ``re:`` prefix accepted) of
-        MoE blocks to skip; refused if it leaves some MoE layers unpruned
-    :param report_path: ``.json`` with ``{layer: [retained original ids]}`` (upstream format)
+        ``weighted_frequency``, ``ean``, ``ean_mean``, ``max_norm``, or a weight baseline
+    :param selection: ``saliency`` (default) or ``block_error``: the same count re-chosen
+        per layer by the block's re-routed output error (``docs/selection.md``), trying the
+        ``selection_candidates`` lowest-ranked experts per step, dropping ``selection_drops``;
+        ``selection_groups``: a string column of the calibration dataset naming each
+        sample's group, whose worst error is minimised instead of the pooled one
+    :param ignore: module-name regexes of MoE blocks to skip (refused if partial)
+    :param report_path: ``.json`` ``{layer: [retained original ids]}`` (upstream format)
     :param scores_path: write the raw per-layer statistics (safetensors + metadata)
     :param manifest_path: write ``pruning_manifest.json``
     :param calibration_source: label of the calibration corpus (per-source counts)
     :param scores_in: cut from a precomputed scores file instead of calibrating
     :param plan_in: apply a precomputed plan (``reap cut`` output) instead of calibrating
     :param seed: seed of the ``random`` baseline
-    :param dequantize: for a model whose experts are compressed-tensors packed
-        (MXFP4 ...): ``layer`` (default) keeps them packed and dequantizes one MoE
-        layer's experts at a time while it is computed, ``expert`` one expert
-        projection per call (least memory), ``model`` decompresses the whole model
-        before calibration (the dense model's memory). Other modifiers in the recipe
-        imply ``model``.
-    :param propagate_pruned: cut each MoE layer as soon as its sequential calibration
-        epoch ends, so later layers are observed on the pruned model (llm-compressor's
-        own modifier does this; with the same recipe, data and ``propagate_error`` it
-        keeps the same experts). Default ``false``: every layer is observed on the
-        unpruned model and cut at calibration end, so the scores cut any tier. With
-        the basic pipeline (one epoch for the whole model) both are the same. Its
-        scores file holds only for its own cut; ``reap cut`` and ``scores_in`` refuse
-        another keep count or criterion.
-    :param calibrate_router: after the cut, fit each MoE layer's router rows so the
-        pruned block's output matches the unpruned block's on calibration tokens
-        (experts untouched; see ``docs/router-calibration.md``); needs calibration
-        data also with ``scores_in`` / ``plan_in`` / weight baselines (then for the
-        fit only, and the cut waits for the end of calibration)
-    :param calibrate_bias: after the cut (and the router fit), fit the score-correction
-        bias (``e_score_correction_bias``), which moves the top-k selection only
-    :param compensate: after the cut, refit the MoE block's dense tensors (shared
-        experts, a latent MoE's up-projection) with the router rows, so the pruned block
-        matches the unpruned one (closed form, then gradient; routed experts untouched;
-        see ``docs/router-calibration.md``)
-    :param router_fit_tokens: calibration tokens per MoE layer the post-cut fits use
-        (the first ones seen; each layer holds its inputs and outputs on them in memory,
-        or on disk with ``fit_spill_dir``)
-    :param router_fit_steps: optimizer steps per layer
-    :param router_fit_lr: step size, relative to the root-mean-square router weight
-    :param compensation_steps: optimizer steps per layer of ``compensate``
-    :param compensation_lr: its step size, relative to each tensor's root-mean-square
-    :param validate_fit: hold out every 8th calibration batch from the post-cut fits and
-        keep each fitted component (router, bias, dense) only where it lowers the whole
-        model's KL to the unpruned model on them (default); ``false`` keeps every one
-    :param fit_spill_dir: write the post-cut fits' captured block inputs and outputs
-        there instead of holding them in memory
-    :param checkpoint_dir: make a sequential calibration resumable: each layer's
-        statistics and the next layer's inputs are saved there as its epoch ends, and a
-        rerun with the same model, recipe, data and world size resumes after the last
-        complete layer (anything else is refused); see ``docs/distributed.md``
+    :param dequantize: compressed-tensors experts: ``layer`` (default) keeps them packed
+        and dequantizes one MoE layer at a time, ``expert`` one projection per call,
+        ``model`` decompresses the whole model first (implied by other modifiers)
+    :param propagate_pruned: cut each MoE layer as its sequential calibration epoch ends,
+        as llm-compressor's own modifier does (its scores then hold for its own cut only)
+    :param calibrate_router: / ``calibrate_bias`` / ``compensate``: the post-cut fits of
+        the router rows, the score-correction bias, the dense tensors (``post_cut/``,
+        ``docs/router-calibration.md``); they need calibration data also with
+        ``scores_in`` / ``plan_in`` / weight baselines
+    :param router_fit_tokens: calibration tokens per MoE layer the post-cut step uses;
+        ``router_fit_steps`` / ``router_fit_lr``, ``compensation_steps`` /
+        ``compensation_lr``: the fits' Adam steps and relative step sizes
+    :param validate_fit: keep each fitted component only where it lowers the whole
+        model's KL on held-out calibration batches (default)
+    :param fit_spill_dir: keep the post-cut step's captured rows on disk
+    :param checkpoint_dir: make a sequential calibration resumable
+        (``docs/distributed.md``)
 
     The calibration-free baselines ``router_l1`` (compressed-tensors'
     MagnitudeExpertPruner criterion), ``router_signed_sum`` and ``random`` rank experts
