@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
+import paths  # noqa: E402,F401  (tests/helpers and tests/oracles by name)
 
 
 def main() -> None:

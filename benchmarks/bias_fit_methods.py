@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
+import paths  # noqa: E402,F401  (tests/helpers and tests/oracles by name)
 
 from reap_modifier.post_cut.bias_fit import BIAS_ATTR, _real_loss, fit_bias  # noqa: E402
 from reap_modifier.post_cut.block_fit import HOLDOUT_EVERY, relative_error  # noqa: E402

@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # tiny_models: how a K3 config is made
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))  # tiny_models: how a K3 config is made
+import paths  # noqa: E402,F401  (tests/helpers and tests/oracles by name)
 
 H, LATENT, EXPERTS, KEPT, TOP_K = 7168, 3584, 896, 448, 16
 HOLDOUT_EVERY = 8  # router_fit.HOLDOUT_EVERY: every 8th fitting token is held out

@@ -1,6 +1,6 @@
 """Router fit on tiny models: layer-local relative error before/after, per router kind.
 
-Runs the tiny test models (tests/tiny_models.py) through a forward pass, captures every
+Runs the tiny test models (tests/helpers/tiny_models.py) through a forward pass, captures every
 MoE block's input and output, cuts each layer to half its experts (lowest router-row
 norm dropped), fits the router with :func:`reap_modifier.post_cut.router_fit.fit_router` and
 prints the losses; ``--lr`` / ``--steps`` compare settings side by side, and
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
+import paths  # noqa: E402,F401  (tests/helpers and tests/oracles by name)
 
 from reap_modifier.models import find_moe_architecture  # noqa: E402
 from reap_modifier.post_cut.block_fit import (  # noqa: E402

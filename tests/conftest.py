@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+import paths  # noqa: E402,F401  (tests/helpers and tests/oracles importable by name)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("REAP_SHA256_CACHE", "0")  # tests never write the user's hash cache
@@ -113,7 +115,7 @@ def fresh_process_logits(family: str, path: Path, ids: torch.Tensor, out: Path) 
 
     script = textwrap.dedent(f"""
         import sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path.insert(0, {str(Path(__file__).parent / "helpers")!r}); import paths
         from tiny_models import reload_class
         m = reload_class({family!r}).from_pretrained({str(path)!r}).eval()
         with torch.no_grad():

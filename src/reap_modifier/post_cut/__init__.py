@@ -15,7 +15,13 @@ This ``__init__`` is the only door the modifier uses. Inside, by room:
 
 from __future__ import annotations
 
-from .errors import BiasFitError, BlockSelectionError, PostCutError, RouterFitError
+from .errors import (
+    BiasFitError,
+    BlockSelectionError,
+    CompensationError,
+    PostCutError,
+    RouterFitError,
+)
 from .rules import check_post_cut_request
 from .settings import COMPONENTS, HOLDOUT_EVERY_BATCH, PostCutSettings, asks_post_cut, stage_fields
 from .step import PostCutStep
@@ -25,6 +31,7 @@ __all__ = [
     "HOLDOUT_EVERY_BATCH",
     "BiasFitError",
     "BlockSelectionError",
+    "CompensationError",
     "PostCutError",
     "PostCutSettings",
     "PostCutStep",

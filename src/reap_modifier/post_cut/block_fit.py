@@ -39,7 +39,7 @@ from torch import nn
 
 from ..models import MoELayer
 from .dispatch import block_tensor, one_slot, routed_dispatch
-from .errors import RouterFitError
+from .errors import PostCutError
 
 __all__ = [
     "HOLDOUT_EVERY",
@@ -278,12 +278,12 @@ def fit_block(
     :returns: the fitted tensors by ``"path.name"`` (in each tensor's dtype; the
         current tensors when no step lowered the held-out loss) and the fit's record;
         the layer itself is left unchanged
-    :raises RouterFitError: the shapes disagree
+    :raises PostCutError: the shapes disagree
 
     (Over 80 lines: the Adam loop, its held-out early stopping and the final record read
     best as one piece.)
     """
-    check_rows(layer.name, inputs, targets, 2, RouterFitError)
+    check_rows(layer.name, inputs, targets, 2, PostCutError)
     held = holdout_rows(inputs.shape[0])
     x_fit, y_fit = inputs[~held], targets[~held]
     x_held, y_held = inputs[held], targets[held]

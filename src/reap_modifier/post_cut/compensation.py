@@ -54,7 +54,7 @@ from .block_fit import (
     tensors_written,
 )
 from .dispatch import dispatch_problem
-from .errors import RouterFitError
+from .errors import CompensationError
 from .router_fit import router_fit_problem, router_params
 
 __all__ = [
@@ -303,11 +303,11 @@ def compensate(
 
     :returns: the changed tensors by ``"path.name"`` and the record
         (``{"closed_form": ..., "gradient": ...}``)
-    :raises RouterFitError: a block compensation cannot fit
+    :raises CompensationError: a block compensation cannot fit
     """
     problem = compensation_problem(layer)
     if problem is not None:
-        raise RouterFitError(problem)
+        raise CompensationError(problem)
     tensors, closed = closed_form(layer, inputs, targets)
     grad: BlockFitResult | None = None
     held = holdout_rows(inputs.shape[0])

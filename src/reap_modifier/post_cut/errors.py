@@ -3,7 +3,13 @@ what to change."""
 
 from __future__ import annotations
 
-__all__ = ["BiasFitError", "BlockSelectionError", "PostCutError", "RouterFitError"]
+__all__ = [
+    "BiasFitError",
+    "BlockSelectionError",
+    "CompensationError",
+    "PostCutError",
+    "RouterFitError",
+]
 
 
 class PostCutError(ValueError):
@@ -11,8 +17,11 @@ class PostCutError(ValueError):
 
 
 class RouterFitError(PostCutError):
-    """A router (or block) the gradient fits cannot express, or fitting data that cannot
-    be used."""
+    """A router the router fit cannot express, or fitting data that cannot be used."""
+
+
+class CompensationError(PostCutError):
+    """A block whose dense tensors compensation cannot refit."""
 
 
 class BiasFitError(PostCutError):

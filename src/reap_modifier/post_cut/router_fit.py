@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..models import MoELayer
-from .block_fit import BlockFitResult, fit_block
+from .block_fit import BlockFitResult, check_rows, fit_block
 from .dispatch import dispatch_problem
 from .errors import RouterFitError
 
@@ -96,6 +96,7 @@ def fit_router(
     problem = router_fit_problem(layer)
     if problem is not None:
         raise RouterFitError(problem)
+    check_rows(layer.name, inputs, targets, 2, RouterFitError)
     fitted, result = fit_block(layer, inputs, targets, router_params(layer), steps=steps, lr=lr)
     prefix = f"{layer.router_attr}."
     return {k.removeprefix(prefix): v for k, v in fitted.items()}, result
