@@ -344,7 +344,8 @@ def test_runs_that_cannot_resume_are_refused(tmp_path, recipe):
 # -- data parallel -----------------------------------------------------------------------
 
 
-def _rank(rank: int, port: int, src, out, ckpt, samples, vocab) -> None:
+def _rank(rank: int, port: int, src, out, ckpt, samples, vocab, seed=None, kw=None) -> None:
+    """One rank's run; with ``seed``, torch's global generator at ``seed`` first."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -352,8 +353,10 @@ def _rank(rank: int, port: int, src, out, ckpt, samples, vocab) -> None:
     os.environ["LLM_COMPRESSOR_LOG_FILE"] = str(Path(out) / f"rank{rank}.log")
     Path(out).mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if seed is not None:
+        torch.manual_seed(seed)
     try:
-        _run(src, Path(out) / f"rank{rank}", ckpt, samples, vocab)
+        _run(src, Path(out) / f"rank{rank}", ckpt, samples, vocab, **(kw or {}))
     finally:
         dist.destroy_process_group()
 
@@ -364,12 +367,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_ranks(tmp_path, setup, out, ckpt, pause=None):
-    root, info, samples = setup["root"], setup["info"], setup["samples"]
+def _two_ranks(tmp_path, setup, out, ckpt, pause=None, samples=None, seed=None, kw=None):
+    root, info = setup["root"], setup["info"]
+    samples = setup["samples"] if samples is None else samples
     port = _free_port()
     procs, markers = [], []
     for rank in (0, 1):
-        args = (rank, port, root / "src", out, ckpt, samples, info.vocab_size)
+        args = (rank, port, root / "src", out, ckpt, samples, info.vocab_size, seed, kw)
         if pause:
             marker = tmp_path / f"paused{rank}"
             markers.append(marker)
@@ -408,6 +412,33 @@ def test_data_parallel_run_resumes_on_every_rank(setup, tmp_path):
     info, samples = setup["info"], setup["samples"]
     with pytest.raises(CheckpointMismatch, match=r"another world size \(2 there, 1 now\)"):
         _run(setup["root"] / "src", tmp_path / "alone", ckpt, samples, info.vocab_size)
+
+
+def test_data_parallel_unseeded_rerun_resumes_with_batches_dealt_to_other_ranks(
+    setup, shuffled, tmp_path
+):
+    """2 CPU ranks given the same dataset, shuffled (rank 0 draws the order, each rank
+    takes every second sample): killed between layers 2 and 3, rerun with the generator
+    in another state, so the ranks are dealt other samples: every rank resumes after
+    layer 2 from its own file and the scores equal the killed order's uninterrupted run's."""
+    samples, kw = shuffled["samples"], {"pipeline_kw": shuffled["kw"]["pipeline_kw"]}
+    runs = {"samples": samples, "kw": kw}
+    for seed in (1, 2):
+        out, ckpt = tmp_path / f"seed{seed}", tmp_path / f"ckpt{seed}"
+        _two_ranks(tmp_path, setup, out, ckpt, seed=seed, **runs)
+    ckpt = tmp_path / "ckpt"
+    _two_ranks(tmp_path, setup, tmp_path / "killed", ckpt, "between-layers:2", seed=1, **runs)
+    _two_ranks(tmp_path, setup, tmp_path / "rerun", ckpt, seed=2, **runs)
+    log = (tmp_path / "rerun" / "rank0.log").read_text()
+    assert f"resuming after layer 2 of {LAYERS} from {ckpt} (2 layers skipped" in log
+    assert "gave the same batches in another order" in log
+    reference = tmp_path / "seed1" / "rank0"
+    ref = json.loads((reference / "result.json").read_text())
+    _assert_same_dp(tmp_path / "rerun", reference, ref)
+    first, other = _recorded_order(tmp_path / "ckpt1"), _recorded_order(tmp_path / "ckpt2")
+    assert _recorded_order(ckpt) == first
+    assert set(first[0]) != set(other[0])  # rank 0 was dealt other samples
+    assert sorted(first[0] + first[1]) == sorted(other[0] + other[1])
 
 
 def _assert_same_dp(rerun: Path, reference: Path, ref: dict) -> None:
