@@ -150,7 +150,9 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
     :param checkpoint_dir: make a sequential calibration resumable: each layer's
         statistics and the next layer's inputs are saved there as its epoch ends, and a
         rerun with the same model, recipe, data and world size resumes after the last
-        complete layer (anything else is refused); see ``docs/distributed.md``
+        complete layer, in the order it calibrated (the same batches in another order,
+        as an unseeded shuffle deals them, resume; anything else is refused); see
+        ``docs/distributed.md``
 
     The calibration-free baselines ``router_l1`` (compressed-tensors'
     MagnitudeExpertPruner criterion), ``router_signed_sum`` and ``random`` rank experts
