@@ -27,7 +27,7 @@ from loguru import logger
 from tiny_models import build_tiny, reload_class
 
 from reap_modifier import REAPPruningModifier
-from reap_modifier.calibration.checkpointing import CheckpointMismatch
+from reap_modifier.calibration.checkpointing import CheckpointMismatch, unmatched_batches
 from reap_modifier.scores import ExpertScores
 
 FAMILY = "qwen3_moe"
@@ -298,12 +298,14 @@ def _files(path: Path) -> dict[str, bytes]:
         (
             "dataset",  # the last sample reversed
             r"on other data: 1 of this run's 4 calibration batches are not among the 4 it "
-            r"calibrated \(batch 3\) and 1 of those are missing from this run \(batch 3; ",
+            r"calibrated \(batch 3, numbered in this run's order\) and 1 of those are missing "
+            r"from this run \(batch 3, numbered in the order calibrated\)\. ",
         ),
         (
             "fewer",  # the last sample left out
             r"on other data: 0 of this run's 3 calibration batches are not among the 4 it "
-            r"calibrated \(none\) and 1 of those are missing from this run \(batch 3; ",
+            r"calibrated \(none\) and 1 of those are missing from this run \(batch 3, "
+            r"numbered in the order calibrated\)\. ",
         ),
         ("pipeline", r"another sequential trace \(subgraph count; .*\(5 there, 3 now\)"),
     ],
@@ -326,6 +328,15 @@ def test_other_model_recipe_data_or_trace_is_refused(setup, finished, tmp_path, 
     assert f"pass another checkpoint_dir, or delete {ckpt} to start over" in str(err.value)
     assert "\n" not in str(err.value)
     assert _files(ckpt) == before  # refused before anything was written
+
+
+def test_batches_are_matched_by_content_over_all_ranks():
+    """Per rank, digests: the same batches dealt to other ranks in another order match; a
+    batch occurring once more than recorded is new, and the one it displaced is missing."""
+    recorded = [["a", "b"], ["c", "a"]]
+    assert unmatched_batches(recorded, [["a", "c"], ["a", "b"]]) == ([], [])
+    assert unmatched_batches(recorded, [["a", "a"], ["a", "b"]]) == ([(1, 0)], [(1, 0)])
+    assert unmatched_batches(recorded, [["b"], ["a", "c"]]) == ([], [(0, 0)])  # first "a"
 
 
 @pytest.mark.parametrize(

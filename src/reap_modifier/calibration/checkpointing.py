@@ -28,7 +28,8 @@ rank on the rerun); each rank replays its own recorded batches from its file.
 
 Disk: one boundary of activations per rank (two while a new one is written): calibration
 tokens x hidden size x bytes per element, plus whatever else the pipeline caches
-(position embeddings, masks). Statistics are small (MoE layers x experts x 6 x 8 bytes).
+(position embeddings, masks) and the batches' token ids and masks (two int64 per token).
+Statistics are small (MoE layers x experts x 6 x 8 bytes).
 """
 
 from __future__ import annotations
@@ -129,11 +130,14 @@ def unmatched_batches(
     return new, missing
 
 
-def _where(batches: list[tuple[int, int]], ranks: int) -> str:
-    """``rank 0's batch 3, ...`` (``batch 3, ...`` for one process), the first four."""
+def _where(batches: list[tuple[int, int]], ranks: int, order: str) -> str:
+    """``rank 0's batch 3, ..., numbered in <order>`` (``batch 3`` for one process), the
+    first four; ``none`` for no batch."""
+    if not batches:
+        return "none"
     named = [f"rank {r}'s batch {i}" if ranks > 1 else f"batch {i}" for r, i in batches[:4]]
     more = f" and {len(batches) - 4} more" if len(batches) > 4 else ""
-    return ", ".join(named) + more
+    return f"{', '.join(named)}{more}, numbered in {order}"
 
 
 def _differences(theirs, ours, prefix: str = "") -> list[str]:
@@ -209,14 +213,14 @@ class CalibrationCheckpoint:
         new, missing = unmatched_batches(recorded, current)
         if not new and not missing:
             return
-        ranks = len(current)
         now, then = sum(map(len, current)), sum(map(len, recorded))
+        ours = _where(new, len(current), "this run's order")
+        theirs = _where(missing, len(current), "the order calibrated")
         raise CheckpointMismatch(
             f"checkpoint_dir {self.dir} holds a calibration on other data: {len(new)} of "
             f"this run's {now} calibration batches are not among the {then} it calibrated "
-            f"({_where(new, ranks) or 'none'}) and {len(missing)} of those are missing from "
-            f"this run ({_where(missing, ranks) or 'none'}; numbered in the order "
-            "calibrated). Batches are matched by token ids and attention mask in any order, "
+            f"({ours}) and {len(missing)} of those are missing from this run ({theirs}). "
+            "Batches are matched by token ids and attention mask in any order, "
             "so a shuffled rerun resumes when it draws the same samples into the same "
             "batches; it does not when num_calibration_samples is below the dataset's size "
             "or batch_size is above 1 (there seed torch with the same torch.manual_seed "
