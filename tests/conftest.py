@@ -35,26 +35,29 @@ def make_tokenizer(vocab: int = 128):
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t0")
 
 
-def make_dataset(samples: list[torch.Tensor]):
-    """A tokenized ``datasets.Dataset`` from 1-D id tensors."""
+def make_dataset(samples: list[torch.Tensor], masks: list[torch.Tensor] | None = None):
+    """A tokenized ``datasets.Dataset`` from 1-D id tensors (attention masks all ones
+    unless ``masks`` gives one per sample)."""
     from datasets import Dataset
 
     ids = [s.tolist() for s in samples]
-    return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]})
+    mask = [m.tolist() for m in masks] if masks is not None else [[1] * len(i) for i in ids]
+    return Dataset.from_dict({"input_ids": ids, "attention_mask": mask})
 
 
-def calibrate(model, modifier, samples: list[torch.Tensor], vocab: int, **kw) -> None:
-    """``oneshot`` with one modifier over ``samples`` in order (the word-level tokenizer as the
-    processor); ``kw`` goes to ``oneshot`` (pipeline, batch size, ...)."""
+def calibrate(model, modifier, samples: list[torch.Tensor], vocab: int, masks=None, **kw) -> None:
+    """``oneshot`` with one modifier over ``samples`` (with ``masks``: their attention
+    masks) in order (the word-level tokenizer as the processor); ``kw`` goes to ``oneshot``
+    (pipeline, batch size, ``shuffle_calibration_samples=True``, ...)."""
     from llmcompressor import oneshot
 
+    kw.setdefault("shuffle_calibration_samples", False)
     oneshot(
         model=model,
         recipe=[modifier],
         processor=make_tokenizer(vocab),
-        dataset=make_dataset(samples),
+        dataset=make_dataset(samples, masks),
         num_calibration_samples=len(samples),
-        shuffle_calibration_samples=False,
         **kw,
     )
 

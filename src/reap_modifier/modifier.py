@@ -130,8 +130,9 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
     :param validate_fit: keep each fitted component only where it lowers the whole
         model's KL on held-out calibration batches (default)
     :param fit_spill_dir: keep the post-cut step's captured rows on disk
-    :param checkpoint_dir: make a sequential calibration resumable
-        (``docs/distributed.md``)
+    :param checkpoint_dir: make a sequential calibration resumable: a rerun with the same
+        model, recipe and calibration samples resumes after the last complete layer,
+        whatever the order they are drawn in (``docs/distributed.md``)
 
     The calibration-free baselines ``router_l1`` (compressed-tensors'
     MagnitudeExpertPruner criterion), ``router_signed_sum`` and ``random`` rank experts
