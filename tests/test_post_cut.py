@@ -195,8 +195,14 @@ def test_spilled_capture_gives_the_same_fit(tmp_path, tokenizer):
 
 def test_block_error_selection_rechooses_the_kept_experts(tmp_path, tokenizer):
     """``selection: block_error``: the same keep count per layer, experts chosen by the block's
-    re-routed output error, recorded in the plan, the record and the manifest."""
+    re-routed output error, then scored end to end against REAP's cut on the held-out
+    batches. Here the selection wins layer by layer but loses end to end: REAP's cut is
+    applied, and the record, the plan and the manifest say so. The two KLs are recomputed
+    with the masked-routing oracle on the held-out batches."""
+    from oracles import masked_routing
+
     fixture = build_mxfp4_checkpoint("kimi_k3", tmp_path / "src", grouped=True)
+    source = reload_class("kimi_k3").from_pretrained(fixture.path).eval()
     reap = _oneshot(
         reload_class("kimi_k3").from_pretrained(fixture.path),
         REAPPruningModifier(sparsity=0.5),
@@ -211,23 +217,38 @@ def test_block_error_selection_rechooses_the_kept_experts(tmp_path, tokenizer):
         manifest_path=str(manifest),
     )
     _oneshot(model, modifier, tokenizer)
-    plan = modifier.plan
-    assert plan.saliency == "block_error" and plan.params["candidate_order"] == "reap"
-    assert {k: len(v) for k, v in plan.kept.items()} == dict.fromkeys(reap.plan.kept, 8)
     selection = modifier.router_fit["selection"]
-    assert selection["method"] == "block_error" and set(selection["layers"]) == set(plan.kept)
-    differs = sum(len(set(plan.kept[n]) - set(reap.plan.kept[n])) for n in plan.kept)
-    assert selection["differs_from_ranking"] == differs
+    assert selection["method"] == "block_error" and set(selection["layers"]) == set(reap.plan.kept)
+    searched = {n: rec["kept"] for n, rec in selection["layers"].items()}
+    assert {k: len(v) for k, v in searched.items()} == dict.fromkeys(reap.plan.kept, 8)
+    differs = sum(len(set(searched[n]) - set(reap.plan.kept[n])) for n in searched)
+    assert selection["differs_from_ranking"] == differs > 0
     assert selection["objective"] == "pooled" and selection["groups"] is None
-    (line,) = post_cut_lines({"router_fit": modifier.router_fit})
-    assert line.startswith(f"selection: block_error (pooled error); {differs} kept experts")
-    # a layer keeps REAP's cut exactly when the search found no lower error
     for name, rec in selection["layers"].items():
         assert rec["kept_baseline"] == (name in selection["layers_keeping_ranking_cut"])
-        assert rec["kept_baseline"] == (rec["baseline_objective"] <= rec["objective"])
-        if rec["kept_baseline"]:
-            assert plan.kept[name] == reap.plan.kept[name]
-    assert json.loads(manifest.read_text())["saliency"] == "block_error"
+
+    # end to end, on the held-out batches 7 and 15: the masked-routing oracle's KL of each plan
+    held = [SAMPLES[i].unsqueeze(0) for i in (7, 15)]
+
+    def kl_of(kept: dict[str, list[int]]) -> float:
+        dropped = {n: sorted(set(range(16)) - set(k)) for n, k in kept.items()}
+        with torch.no_grad(), masked_routing(source, "kimi_k3", dropped):
+            return _held_out_kl(reference, source, held)
+
+    with torch.no_grad():
+        reference = [source(input_ids=ids, use_cache=False).logits for ids in held]
+    e2e = selection["end_to_end"]
+    assert e2e["checked"] is True
+    assert e2e["kl_ranking_cut"] == pytest.approx(kl_of(reap.plan.kept), rel=1e-2)
+    assert e2e["kl_selection"] == pytest.approx(kl_of(searched), rel=1e-2)
+    assert e2e["change"] == pytest.approx(e2e["kl_selection"] - e2e["kl_ranking_cut"], abs=1e-9)
+    assert e2e["change"] > -e2e["se"], "the fixture was chosen for a selection that loses"
+    assert e2e["applied"] == "reap"
+    assert modifier.plan.kept == reap.plan.kept and modifier.plan.saliency == "reap"
+    (line,) = post_cut_lines({"router_fit": modifier.router_fit})
+    assert line.startswith(f"selection: block_error (pooled error); {differs} kept experts")
+    assert "REAP's cut applied" in line or "reap's cut applied" in line, line
+    assert json.loads(manifest.read_text())["saliency"] == "reap"
     assert model.config.text_config.num_experts == 8
 
 
@@ -278,3 +299,78 @@ def test_block_error_selection_refuses_a_router_it_does_not_model_before_calibra
     with pytest.raises(ValueError, match="selection: block_error cannot choose for .*saliency"):
         _oneshot(model, modifier, tokenizer)
     assert modifier.plan is None  # nothing was calibrated or cut
+
+
+def test_a_dropped_component_keeps_the_earlier_kept_fit_in_what_is_saved(
+    tmp_path, tokenizer, monkeypatch
+):
+    """Router fit kept, then a dense fit that hurts dropped: the dense fit also changes the
+    router rows, and dropping it must leave the router fit's rows, in memory and in the
+    checkpoint written by the compressed-source save. Oracle: the reloaded checkpoint's
+    logits (a fresh process) equal the in-memory model's; the saved router rows equal the
+    in-memory ones and differ from the cut's."""
+    from dataclasses import replace
+
+    from reap_modifier.post_cut.components import COMPONENT
+
+    real = COMPONENT["dense"].fit
+
+    def hurting_dense(layer, x, y, settings):
+        tensors, record = real(layer, x, y, settings)
+        return {
+            k: (-5.0 * v if ".shared_experts." in f".{k}" else v) for k, v in tensors.items()
+        }, record
+
+    monkeypatch.setitem(COMPONENT, "dense", replace(COMPONENT["dense"], fit=hurting_dense))
+    fixture = build_mxfp4_checkpoint("kimi_k3", tmp_path / "src", grouped=True)
+    src, dst = fixture.path, tmp_path / "dst"
+    source = reload_class("kimi_k3").from_pretrained(src)
+    model = reload_class("kimi_k3").from_pretrained(src)
+    modifier = REAPPruningModifier(
+        sparsity=0.5,
+        calibrate_router=True,
+        compensate=True,
+        router_fit_tokens=4096,
+        router_fit_steps=40,
+        compensation_steps=5,
+    )
+    _oneshot(model, modifier, tokenizer, output_dir=str(dst))
+    router, dense = modifier.router_fit["components"]
+    assert router["name"] == "router" and router["kept"] is True
+    assert dense["name"] == "dense" and dense["kept"] is False
+    assert "gate.weight" in dense["tensors"]  # the dense fit moved the router rows too
+
+    saved = load_tensors(dst)
+    for layer, kept in modifier.plan.kept.items():
+        now = model.get_submodule(f"{layer}.gate").weight.detach()
+        cut = source.get_submodule(f"{layer}.gate").weight.detach()[kept]
+        assert not torch.equal(now, cut), layer  # the router fit's rows, not the cut's
+        assert torch.equal(
+            saved[f"{layer}.gate.weight"], now.to(saved[f"{layer}.gate.weight"].dtype)
+        )
+    ids = sample_input_ids(128, batch=1, seq=12, seed=2)
+    with torch.no_grad():
+        memory = model(input_ids=ids, use_cache=False).logits
+    reloaded = fresh_process_logits("kimi_k3", dst, ids, tmp_path / "reloaded.pt")
+    torch.testing.assert_close(reloaded, memory, rtol=0, atol=1e-5)
+
+
+def test_fits_are_judged_as_saved_rounded_to_the_checkpoint_dtype(tmp_path, tokenizer):
+    """A model computed in float32 from a bf16 checkpoint: each fitted tensor is rounded to
+    bf16 (the dtype the rewrite saves it in) before the held-out check, so the model that was
+    judged is the model that is saved, bit for bit."""
+    fixture = build_mxfp4_checkpoint("kimi_k3", tmp_path / "src", grouped=True)
+    src, dst = fixture.path, tmp_path / "dst"
+    model = reload_class("kimi_k3").from_pretrained(src, dtype=torch.float32)
+    modifier = REAPPruningModifier(
+        sparsity=0.5, calibrate_router=True, router_fit_tokens=4096, router_fit_steps=20
+    )
+    _oneshot(model, modifier, tokenizer, output_dir=str(dst))
+    assert modifier.router_fit["components"][0]["kept"] is True
+    saved = load_tensors(dst)
+    for layer in modifier.plan.kept:
+        now = model.get_submodule(f"{layer}.gate").weight.detach()
+        assert now.dtype == torch.float32
+        assert saved[f"{layer}.gate.weight"].dtype == torch.bfloat16
+        assert torch.equal(now, now.to(torch.bfloat16).float()), layer
+        assert torch.equal(saved[f"{layer}.gate.weight"].float(), now), layer

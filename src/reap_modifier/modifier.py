@@ -33,6 +33,7 @@ from .calibration.packed import (
 from .calibration.progress import LayerProgress
 from .calibration.routed_only import calibrate_all_experts, set_calibrate_all_experts
 from .calibration_setup import CalibrationSetup, sample_positions
+from .checkpoint.compressed_save import saved_dtypes
 from .checkpoint.saved_config import fix_saved_expert_counts
 from .decision import CutDecision
 from .layerwise import LayerwiseCut
@@ -442,6 +443,7 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
         overlay = partial(self._packed_overlay, model)
         plan = step.choose(model, plan, self._ranking or {}, overlay)
         self._cut_model(model, plan)
+        step.settings.saved_dtype = saved_dtypes(model)  # the fits are rounded to it
         self._router_fit = step.fit(model, overlay)
         self._fitted_tensors = step.tensors
         if distributed.is_source_process():

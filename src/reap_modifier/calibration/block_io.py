@@ -93,6 +93,9 @@ class BlockIOCapture:
         self._label_of = label_of
         #: each calibrated sample's group by position (with ``label_of``)
         self.labels: dict[int, str] = {}
+        #: with ``label_of``, every sample's model inputs by position (token ids: small), so
+        #: a sample can be held out after the fact (:meth:`hold_out`)
+        self._inputs: dict[int, dict[str, torch.Tensor]] = {}
 
     def attach(self) -> None:
         self._batches.attach(self._model, self._register)
@@ -111,6 +114,19 @@ class BlockIOCapture:
         """Whether the sample at ``position`` (one process's order) is held out."""
         k = self.holdout_every
         return bool(k) and (position // self.batch_size) % k == k - 1
+
+    def hold_out(self, positions: set[int]) -> None:
+        """Hold out, after calibration, the samples at ``positions`` that this capture
+        calibrated (with ``label_of``): their inputs join the validation samples and their
+        rows leave every block's fitting rows."""
+        mine = {p for p in positions if p in self._inputs}
+        for pos in mine:
+            self._held[pos] = self._inputs[pos]
+        for name, chunks in self._chunks.items():
+            for chunk in chunks:
+                if chunk[0] in mine and len(chunk) == 2:
+                    Path(chunk[1]).unlink(missing_ok=True)
+            self._chunks[name] = [c for c in chunks if c[0] not in mine]
 
     def validation_samples(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
         """The held-out samples' ``(position, model inputs)`` (CPU, ``[1, T]``)."""
@@ -148,13 +164,16 @@ class BlockIOCapture:
         mask = batch.get("attention_mask")
         for j in range(ids.shape[0]):
             pos = self.position(first + j)
+            if self._label_of is None and not self.held_out(pos):
+                continue
+            kept = {"input_ids": ids[j : j + 1].detach().to("cpu", copy=True)}
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                kept["attention_mask"] = mask[j : j + 1].detach().to("cpu", copy=True)
             if self._label_of is not None:
-                row_mask = mask[j] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-                self.labels[pos] = self._label_of(ids[j], row_mask)
+                row_mask = kept["attention_mask"][0] if "attention_mask" in kept else None
+                self.labels[pos] = self._label_of(kept["input_ids"][0], row_mask)
+                self._inputs[pos] = kept
             if self.held_out(pos):
-                kept = {"input_ids": ids[j : j + 1].detach().to("cpu", copy=True)}
-                if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-                    kept["attention_mask"] = mask[j : j + 1].detach().to("cpu", copy=True)
                 self._held[pos] = kept
         return first + ids.shape[0]
 

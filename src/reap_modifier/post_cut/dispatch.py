@@ -27,6 +27,7 @@ __all__ = [
     "dispatch_problem",
     "instance_attrs",
     "one_slot",
+    "original_dispatch",
     "routed_dispatch",
     "routed_off",
 ]
@@ -73,6 +74,15 @@ def one_slot(layer: MoELayer) -> Callable:
         return lambda x, ids, ones: original(block, x, ids, ones)
     original = layer.experts.forward
     return lambda x, ids, ones: original(x, ids, ones.to(x.dtype))
+
+
+def original_dispatch(layer: MoELayer) -> Callable:
+    """``(x, ids, weights) -> out``: the block's routed dispatch as it is now (taken before
+    any swap), with the model's own weights."""
+    if layer.kind == "kimi":
+        block, original = layer.block, type(layer.block).moe_infer
+        return lambda x, ids, weights: original(block, x, ids, weights)
+    return layer.experts.forward
 
 
 @contextmanager

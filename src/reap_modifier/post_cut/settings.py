@@ -82,6 +82,9 @@ class PostCutSettings:
     selection_groups: str | None = None
     #: the recipe fields that asked for the step (for messages)
     fields: str = ""
+    #: ``(MoE layer name, tensor name in the block) -> dtype`` a fitted tensor is saved in
+    #: (``None``, or a ``None`` answer: as in memory); the fits are rounded to it
+    saved_dtype: Callable[[str, str], object] | None = field(default=None, repr=False)
 
     @classmethod
     def from_recipe(cls, recipe) -> PostCutSettings:

@@ -40,12 +40,13 @@ from loguru import logger
 from ..calibration.block_io import BlockIOCapture, join_chunks, row_positions
 from ..calibration.sample_groups import SampleGroups, group_names
 from ..models import MoEArchitecture
-from ..scores.plan import PruningPlan, retained_mass
+from ..scores.plan import PruningPlan
 from . import ranks
 from .block_fit import read_tensors, write_tensors
 from .components import COMPONENT
+from .selection import choose, select_per_layer
 from .settings import PostCutSettings
-from .validation import ValidationSet
+from .validation import HeldOutKL, ValidationSet, keeps
 
 __all__ = ["PostCutStep"]
 
@@ -119,8 +120,9 @@ class PostCutStep:
     ) -> PruningPlan:
         """Gather the captured rows, record the held-out reference, and (``selection:
         block_error``) re-choose ``plan``'s experts, ``ranking`` (the cut's saliency)
-        ordering the candidates; returns the plan to cut, the same on every rank. Call
-        on the unpruned model, then cut, then :meth:`fit`.
+        ordering the candidates, then keep whichever of the two plans is better end to end
+        (:mod:`.selection`); returns the plan to cut, the same on every rank. Call on the
+        unpruned model, then cut, then :meth:`fit`.
 
         :param overlay: makes a packed model computable for the duration of a stage
             (returns an attached object with ``detach``, or ``None``)
@@ -129,28 +131,33 @@ class PostCutStep:
         if ranks.rank(self.group) != 0:
             return ranks.share(None, self.group)
         self._rows = rows
-        self._validation = self._reference(model, held, overlay)
         s = self.settings
-        if s.selection == "block_error":
-            with _attached(overlay()):
-                plan = self.select(
+        with _attached(overlay()):
+            self._validation = self._reference(model, held)
+            if s.selection == "block_error":
+                selected, self.selection = select_per_layer(
+                    self.arch,
                     plan,
                     ranking,
                     rows,
                     candidates=s.selection_candidates,
                     drops=s.selection_drops,
                     groups=groups,
+                    column=s.selection_groups,
                 )
+                plan = choose(self.arch, plan, selected, self.selection, model, self._validation)
         return ranks.share(plan, self.group)
 
     def _gather(self):
         """Every rank's rows per layer, held-out samples and (``selection_groups``) the
-        group names and each row's group index per layer, in one process's order."""
+        group names and each row's group index per layer, in one process's order; with
+        groups, every group present gets a held-out sample (:meth:`_cover_groups`)."""
         capture, s = self.capture, self.settings
         capture.detach()
         labels = None
         if self.groups is not None:
             labels = dict(ranks.gathered(list(capture.labels.items()), self.group))
+            self._cover_groups(capture, labels)
         rows, positions = {}, {}
         for n in self.arch.layer_names:
             chunks = ranks.gathered(capture.chunks(n), self.group)
@@ -158,6 +165,8 @@ class PostCutStep:
             if labels is not None:
                 positions[n] = row_positions(chunks, s.tokens)
         held = sorted(ranks.gathered(capture.validation_samples(), self.group), key=lambda h: h[0])
+        if labels is not None:
+            held = [(p, inputs, labels[p]) for p, inputs in held]
         empty = [n for n, (x, _) in rows.items() if x.shape[0] < 2]
         if empty:
             raise RuntimeError(
@@ -166,6 +175,26 @@ class PostCutStep:
             )
         groups = self._row_groups(labels, positions) if ranks.rank(self.group) == 0 else None
         return rows, held, groups
+
+    def _cover_groups(self, capture: BlockIOCapture, labels: dict[int, str]) -> None:
+        """Hold out, in every group with no held-out sample, its last calibrated sample
+        (the same choice on every rank; each rank moves the samples it calibrated)."""
+        if not self.settings.holdout_every:
+            return
+        held = {p for p, _ in ranks.gathered(capture.validation_samples(), self.group)}
+        covered = {labels[p] for p in held if p in labels}
+        extra = {
+            max(p for p, g in labels.items() if g == group)
+            for group in set(labels.values()) - covered
+        }
+        if extra:
+            logger.info(
+                f"REAP post-cut step: held out {len(extra)} more sample(s) so that every "
+                f"{self.settings.selection_groups} has one ("
+                + ", ".join(sorted(labels[p] for p in extra))
+                + ")"
+            )
+            capture.hold_out(extra)
 
     def _row_groups(self, labels: dict[int, str] | None, positions: dict[str, torch.Tensor]):
         """``(names, {layer: [N] group index of each captured row})`` from the samples'
@@ -182,107 +211,39 @@ class PostCutStep:
         }
         return names, ids
 
-    def _reference(self, model, held, overlay) -> ValidationSet | None:
-        """The held-out batches and the unpruned model's distributions on them (``None``:
+    def _reference(self, model, held) -> ValidationSet | None:
+        """The held-out samples and the unpruned model's distributions on them (``None``:
         nothing to validate)."""
         s = self.settings
-        if not s.components:
+        if not s.components and s.selection != "block_error":
             return None
-        logger.warning(
-            "REAP post-cut fit: the fitted tensors follow the calibration text, and the "
-            "held-out check uses the same text: a language absent from it can get worse "
-            "(fitted on English only, Chinese KL rose 32-43% on the bundled model); "
-            "calibrate on every language the model serves"
-        )
-        validation = ValidationSet([inputs for _, inputs in held]) if s.validate else None
-        if validation is not None and not validation.batches:
+        if s.components:
             logger.warning(
-                "REAP post-cut fit: no held-out calibration batch reached the model "
+                "REAP post-cut fit: the fitted tensors follow the calibration text, and the "
+                "held-out check uses the same text: a language absent from it can get worse "
+                "(fitted on English only, Chinese KL rose 32-43% on the bundled model); "
+                "calibrate on every language the model serves"
+            )
+        if not s.validate:
+            return None
+        if not held:
+            logger.warning(
+                "REAP post-cut step: no held-out calibration sample reached the model "
                 "(too few batches, or the model takes no input_ids): the fitted components "
                 "are kept without an end-to-end check"
             )
-            validation = None
-        if validation is not None:
-            with _attached(overlay()):
-                validation.record_reference(model)
+            return None
+        groups = [h[2] for h in held] if held and len(held[0]) == 3 else None
+        validation = ValidationSet([h[1] for h in held], groups)
+        samples = s.samples or len(held)
+        if len(held) / max(samples, 1) > 1 / s.holdout_every + 1e-9 or len(held) < 2:
+            logger.warning(
+                f"REAP post-cut step: {len(held)} of {samples} calibration samples held out "
+                f"({len(held) / max(samples, 1):.0%}): a small calibration gives the held-out "
+                "check few samples and the fits few rows"
+            )
+        validation.record_reference(model)
         return validation
-
-    def select(
-        self,
-        plan: PruningPlan,
-        ranking: dict[str, torch.Tensor],
-        rows: dict[str, tuple[torch.Tensor, torch.Tensor]],
-        *,
-        candidates: int | None,
-        drops: int,
-        groups: tuple[list[str], dict[str, torch.Tensor]] | None = None,
-    ) -> PruningPlan:
-        """``selection: block_error``: the same keep count as ``plan``, the kept experts
-        chosen per layer by greedy elimination on the block's re-routed output error
-        (:mod:`reap_modifier.post_cut.block_selection`; with ``groups``, the group names and each
-        row's group index per layer, the worst group's error), ``ranking`` (the cut's
-        saliency) ordering the candidates; call on the unpruned model."""
-        from compressed_tensors import align_module_device
-        from tqdm.auto import tqdm
-
-        from .block_selection import select_by_block_error
-
-        names, row_groups = groups if groups is not None else (None, {})
-        keep, kept, records = plan.num_kept, {}, {}
-        for layer in tqdm(self.arch.layers, desc="REAP block-error selection"):
-            x, y = rows[layer.name]
-            ids_of = row_groups.get(layer.name)
-            with align_module_device(layer.block):
-                device = layer.router.weight.device
-                ids, record = select_by_block_error(
-                    layer,
-                    x.to(device),
-                    y.to(device),
-                    keep,
-                    ranking=ranking.get(layer.name),
-                    groups=ids_of.to(device) if ids_of is not None else None,
-                    candidates=candidates,
-                    drops_per_step=drops,
-                    baseline=plan.kept[layer.name],
-                )
-            kept[layer.name], records[layer.name] = ids, record.to_dict()
-            if names is not None:
-                errors = records[layer.name]["group_errors"]
-                records[layer.name]["group_errors"] = {names[int(g)]: v for g, v in errors.items()}
-        retained = {n: retained_mass(ranking[n], ids) for n, ids in kept.items() if n in ranking}
-        changed = sum(len(set(kept[n]) - set(plan.kept[n])) for n in kept)
-        kept_cut = sorted(n for n, r in records.items() if r["kept_baseline"])
-        group_record = None
-        if names is not None:
-            counts = row_groups[self.arch.layer_names[0]].bincount(minlength=len(names))
-            group_record = {
-                "column": self.settings.selection_groups,
-                "names": names,
-                "tokens": dict(zip(names, counts.tolist(), strict=True)),
-            }
-        logger.info(
-            f"REAP block-error selection: {keep} experts per layer; {changed} of "
-            f"{keep * len(kept)} kept experts differ from {plan.saliency}'s cut"
-            + (f"; {len(kept_cut)} layer(s) keep that cut (no lower error)" if kept_cut else "")
-        )
-        self.selection = {
-            "method": "block_error",
-            "candidate_order": plan.saliency,
-            "candidates": candidates,
-            "drops_per_step": drops,
-            "differs_from_ranking": changed,
-            "layers_keeping_ranking_cut": kept_cut,
-            "objective": "pooled" if names is None else "worst_group",
-            "groups": group_record,
-            "layers": records,
-        }
-        return PruningPlan(
-            kept=kept,
-            num_experts=plan.num_experts,
-            saliency="block_error",
-            params={**plan.params, "selection": "block_error", "candidate_order": plan.saliency},
-            retained=retained,
-        )
 
     # -- stages 5-6: components and record (on the cut model) ------------------------
 
@@ -301,6 +262,7 @@ class PostCutStep:
                 "tokens": s.tokens,
                 "components": [],
                 "selection": self.selection,
+                "validation": self._validation_record(None, None),
                 "layers": {},
             }
         else:
@@ -309,19 +271,35 @@ class PostCutStep:
         ranks.share((self.record, self.tensors), self.group)
         return self.record
 
+    def _validation_record(self, cut: HeldOutKL | None, final: HeldOutKL | None) -> dict | None:
+        validation, s = self._validation, self.settings
+        if validation is None:
+            return None
+        return {
+            "holdout_every_batch": s.holdout_every,
+            "batches": len(validation.batches),
+            "samples": s.samples,
+            "tokens": validation.tokens,
+            "groups": None
+            if validation.groups is None
+            else {g: validation.groups.count(g) for g in sorted(set(validation.groups))},
+            "kl_cut": None if cut is None else cut.mean,
+            "kl_final": None if final is None else final.mean,
+        }
+
     def _fit_components(self, model, overlay) -> dict:
         s, validation = self.settings, self._validation
         components, layers = [], {n: {} for n in self.arch.layer_names}
-        changed: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.arch.layer_names}
+        kept: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.arch.layer_names}
         with _attached(overlay()):
-            kl_now = validation.kl(model) if validation is not None else None
-            kl_cut = kl_now
-            for component in s.components:
-                entry = self._component(component, model, kl_now, layers, changed)
+            now = validation.kl(model) if validation is not None else None
+            cut = now
+            for name in s.components:
+                entry, after = self._component(name, model, now, layers, kept)
                 components.append(entry)
-                if entry["kept"] and entry["kl_after"] is not None:
-                    kl_now = entry["kl_after"]
-        self.tensors = {n: t for n, t in changed.items() if t}
+                if entry["kept"] and after is not None:
+                    now = after
+        self.tensors = {n: t for n, t in kept.items() if t}
         return {
             "method": " + ".join(COMPONENT[c].method for c in s.components),
             "tokens": s.tokens,
@@ -329,60 +307,53 @@ class PostCutStep:
             "lr": s.router_lr,
             "dense_steps": s.dense_steps if "dense" in s.components else None,
             "dense_lr": s.dense_lr if "dense" in s.components else None,
-            "validation": None
-            if validation is None
-            else {
-                "holdout_every_batch": s.holdout_every,
-                "batches": len(validation.batches),
-                "tokens": validation.tokens,
-                "kl_cut": kl_cut,
-                "kl_final": kl_now,
-            },
+            "validation": self._validation_record(cut, now),
             "components": components,
             "selection": self.selection,
             "layers": {n: rec.get("router", {}) for n, rec in layers.items()},
             "component_layers": layers,
         }
 
-    def _component(self, name: str, model, kl_now, layers, changed) -> dict:
-        """Fit component ``name`` on every layer, then keep it (its tensors join
-        ``changed``) when the held-out KL drops below ``kl_now``, else put its tensors
-        back; returns the component's entry of the record."""
-        from compressed_tensors import align_module_device
-        from tqdm.auto import tqdm
-
-        component, s = COMPONENT[name], self.settings
+    def _component(self, name: str, model, before: HeldOutKL | None, layers, kept):
+        """Fit component ``name`` on every layer, its tensors rounded to the dtype they are
+        saved in; keep it (its tensors join ``kept``, the tensors every kept component
+        changed, by layer) when the held-out KL drops beyond its standard error
+        (:func:`~.validation.keeps`), else put back the state before it, in the model and
+        in ``kept``. Returns the record's entry and the KL after it."""
+        component = COMPONENT[name]
         saved = {
             layer.name: read_tensors(layer, component.params(layer)) for layer in self.arch.layers
         }
-        fitted_now: dict[str, dict[str, torch.Tensor]] = {}
-        for layer in tqdm(self.arch.layers, desc=f"REAP post-cut fit: {name}"):
-            x, y = self._rows[layer.name]
-            with align_module_device(layer.block):
-                device = layer.router.weight.device
-                tensors, rec = component.fit(layer, x.to(device), y.to(device), s)
-            write_tensors(layer, tensors)
-            logger.debug(f"REAP post-cut fit {name} {layer.name}: {rec}")
-            fitted_now[layer.name] = {k: v.detach().to("cpu") for k, v in tensors.items()}
-            layers[layer.name][name] = rec
+        try:
+            fitted = self._fit_layers(component, layers)
+        except BaseException:
+            for layer in self.arch.layers:  # no half-fitted model is left behind
+                write_tensors(layer, saved[layer.name])
+            raise
         validation = self._validation
-        kl_after = validation.kl(model) if validation is not None else None
-        kept = kl_after is None or kl_after < kl_now
-        names = sorted({n for t in fitted_now.values() for n in t})
-        if kept:
-            for layer_name, tensors in fitted_now.items():
-                changed[layer_name].update(tensors)
+        after = validation.kl(model) if validation is not None else None
+        keep = after is None or keeps(before, after)
+        if keep:
+            for layer_name, tensors in fitted.items():
+                kept[layer_name].update(tensors)
         else:
             for layer in self.arch.layers:
                 write_tensors(layer, saved[layer.name])
-                for n in fitted_now[layer.name]:
-                    changed[layer.name].pop(n, None)
+                # a tensor an earlier kept component changed is back to that component's
+                # value (in the model above, and in what is saved)
+                for n in fitted[layer.name]:
+                    if n in kept[layer.name]:
+                        kept[layer.name][n] = saved[layer.name][n]
+        change, se = after.change_from(before) if after is not None else (None, None)
+        names = sorted({n for t in fitted.values() for n in t})
         logger.info(
             f"REAP post-cut fit: {name} "
             + (
-                f"{'kept' if kept else 'DROPPED (no better than without it)'}: "
-                f"held-out KL {kl_now:.5g} -> {kl_after:.5g} nats/token"
-                if kl_after is not None
+                f"{'kept' if keep else 'DROPPED (not better beyond its standard error)'}: "
+                f"held-out KL {before.mean:.5g} -> {after.mean:.5g} nats/token ("
+                + (f"{change:+.3g} +- {se:.2g}" if se is not None else f"{change:+.3g}")
+                + ")"
+                if after is not None
                 else "kept without validation"
             )
             + f"; tensors per layer: {', '.join(names) or 'none'}"
@@ -390,11 +361,45 @@ class PostCutStep:
         return {
             "name": name,
             "method": component.method,
-            "kept": kept,
-            "kl_before": kl_now,
-            "kl_after": kl_after,
+            "kept": keep,
+            "kl_before": None if before is None else before.mean,
+            "kl_after": None if after is None else after.mean,
+            "change": change,
+            "se": se,
+            "by_group": None
+            if after is None or after.groups is None
+            else {"before": before.by_group(), "after": after.by_group()},
             "tensors": names,
-        }
+        }, after
+
+    def _fit_layers(self, component, layers) -> dict[str, dict[str, torch.Tensor]]:
+        """Fit ``component`` on every layer and write each layer's tensors, rounded to the
+        dtype they are saved in (:attr:`PostCutSettings.saved_dtype`), so that what is
+        validated is what is saved; returns them (CPU) by layer."""
+        from compressed_tensors import align_module_device
+        from tqdm.auto import tqdm
+
+        s, out = self.settings, {}
+        for layer in tqdm(self.arch.layers, desc=f"REAP post-cut fit: {component.name}"):
+            x, y = self._rows[layer.name]
+            with align_module_device(layer.block):
+                device = layer.router.weight.device
+                tensors, rec = component.fit(layer, x.to(device), y.to(device), s)
+            tensors = {n: _as_saved(t, s.saved_dtype, layer.name, n) for n, t in tensors.items()}
+            write_tensors(layer, tensors)
+            logger.debug(f"REAP post-cut fit {component.name} {layer.name}: {rec}")
+            out[layer.name] = {k: v.detach().to("cpu") for k, v in tensors.items()}
+            layers[layer.name][component.name] = rec
+        return out
+
+
+def _as_saved(tensor: torch.Tensor, saved_dtype, layer: str, name: str) -> torch.Tensor:
+    """``tensor`` rounded to the dtype it is saved in (``saved_dtype(layer, name)``; as it
+    is when that is unknown), in its own dtype."""
+    dtype = saved_dtype(layer, name) if saved_dtype is not None else None
+    if dtype is None or dtype == tensor.dtype:
+        return tensor
+    return tensor.to(dtype).to(tensor.dtype)
 
 
 class _attached:
