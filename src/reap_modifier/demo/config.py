@@ -89,6 +89,13 @@ METHODS: tuple[Method, ...] = (
         "frequency", "frequency", "calibrated", "frequency", "D", "en+zh+code",
         skip_sparsities=_NOT_AT_25,
     ),
+    Method(
+        "ean", "EAN", "calibrated", "ean", "D", "en+zh+code", skip_sparsities=_NOT_AT_25,
+    ),
+    Method(
+        "ean_mean", "MAN (ean_mean)", "calibrated", "ean_mean", "D", "en+zh+code",
+        skip_sparsities=_NOT_AT_25,
+    ),
     Method("router_l1", "router_l1", "weights", "router_l1", skip_sparsities=_NOT_AT_25),
     Method(
         "router_signed_sum", "router_signed_sum", "weights", "router_signed_sum",
@@ -141,6 +148,21 @@ FLIP_SPARSITIES = (0.25, 0.5, 0.75)
 FLIP_PAIRS = (("A", "B"), ("B", "C"), ("C", "D"), ("B", "D"))
 
 
+def objective_pairs() -> list[tuple[str, str]]:
+    """``(pooled, worst_language)``: each fit of :data:`METHODS` with ``groups`` (the block-error
+    selection minimising the worst language's error) and the fit that differs from it only in
+    minimising the pooled error."""
+    return [
+        (p.name, m.name)
+        for m in METHODS
+        if m.groups
+        for p in METHODS
+        if p.role == "fit"
+        and not p.groups
+        and replace(p, name=m.name, label=m.label, groups=True) == m
+    ]
+
+
 @dataclass
 class DemoConfig:
     model: str = str(DEFAULT_MODEL)
@@ -154,6 +176,12 @@ class DemoConfig:
     eval_windows: int = 64  # per language
     eval_seq_len: int = 256
     eval_seed: int = 1234  # = the model card's window seed
+    #: the windows the quality tables measure: ``"eval"``, the evaluation windows
+    #: (:func:`.data.eval_windows`), or ``"dev"``, as many of the development split's
+    #: (:func:`.data.dev_windows`: the eval split's paragraphs those evaluation windows never
+    #: read), for choosing methods and settings
+    split: str = "eval"
+    dev_seed: int = 4242
     eval_chunk: int = 8
     prompts_per_lang: int = 8
     router_fit_tokens: int = 12288  # per fit, split evenly over the mix's calibration parts
