@@ -16,7 +16,9 @@ checkpoint, the paired-difference tables (:func:`.results.paired_rows`) pair eac
   :data:`HEADLINE_METHOD`, and the report lists where that method loses to it.
 - ``role="fit"``: the cut of the mix ``fit_of``, then the post-cut components ``fit`` (router rows,
   score-correction bias, dense compensation) fitted on the mix's calibration parts
-  (:data:`FIT_PARTS`, keyed by ``calibration``); paired against that cut (NLL and KL).
+  (:data:`FIT_PARTS`, keyed by ``calibration``); paired against that cut (NLL and KL). A fit with
+  ``groups`` is also paired against the fit that differs from it only in the selection's
+  objective (:func:`objective_pairs`).
 
 E.g. REAP on the Chinese part alone would need a ranking of that part in :data:`RANKINGS` and a row
 ``Method("reap_zh", "REAP(zh)", "calibrated", "reap", "ZH", "zh", role="mix")``."""
@@ -133,7 +135,9 @@ METHODS: tuple[Method, ...] = (
 )  # fmt: skip
 #: the method every other is compared against (paired differences, overlap, the report's losses)
 HEADLINE_METHOD = "reap_en_zh_code"
-#: the best of ours: every baseline is paired against it (NLL and KL)
+#: the best of ours: every baseline is paired against it (NLL and KL). Chosen on the job's own
+#: tables; a choice to revisit is made with ``--split dev`` (the development split), never on the
+#: evaluation windows the final tables report
 BEST_METHOD = "block_error_comp"
 #: the methods that rank without REAP saliency
 BASELINES: tuple[str, ...] = tuple(m.name for m in METHODS if m.role == "baseline")
