@@ -8,8 +8,8 @@ the unpruned model per language on held-out windows (the development split by de
 independent implementation of what ``reap_modifier.post_cut.compensation`` does, written to choose
 the method; the numbers of docs/router-calibration.md's compensation tables come from it.
 
-    PYTHONPATH=src python benchmarks/compensation_quality.py --sparsity 0.5 \
-        --variants fit fit+ls fit+adam fit+ls+adam
+    PYTHONPATH=src python benchmarks/compensation_quality.py --sparsity 0.5 0.75 \
+        --variants fit fit+ls fit+adam fit+ls+adam --out out/compensation_quality.json
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import copy
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from window_metrics import add_split_argument, held_out_windows, per_window_metrics
@@ -166,6 +167,7 @@ def main():
     ap.add_argument("--eval-windows", type=int, default=32)
     ap.add_argument("--sparsity", type=float, nargs="+", default=[0.5, 0.75])
     ap.add_argument("--variants", nargs="+", default=["fit", "fit+ls", "fit+adam"])
+    ap.add_argument("--out", default=None, help="write the KLs and the arguments here as JSON")
     add_split_argument(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -236,7 +238,10 @@ def main():
                 flush=True,
             )
             out[f"{sp}-{lang}"] = kl
-    json.dump(out, sys.stdout)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": out}, indent=1))
+    else:
+        json.dump(out, sys.stdout)
 
 
 if __name__ == "__main__":
