@@ -393,8 +393,11 @@ def build_model(size: Size, cache: Path) -> tuple[Path, float, dict]:
     return path, time.perf_counter() - start, info
 
 
-def run_recipe(size: Size, work: Path, cache: Path, threads: int, together: bool) -> dict:
-    """Every stage of the recipe on one size; returns each stage's record."""
+def run_recipe(
+    size: Size, work: Path, cache: Path, threads: int, together: bool, lean: bool = False
+) -> dict:
+    """Every stage of the recipe on one size; returns each stage's record (``lean``: the
+    post-cut process and ``reap prune`` only, for the sweep)."""
     from tqdm.auto import tqdm
 
     if work.exists():
@@ -406,8 +409,10 @@ def run_recipe(size: Size, work: Path, cache: Path, threads: int, together: bool
     }
     base = ["--size", json.dumps(asdict(size)), "--work", str(work), "--model", str(model)]
     base += ["--threads", str(threads)]
-    modes = ["reap", "post_cut"] + (["together"] if together else [])
-    progress = tqdm(total=len(modes) + 3, desc=f"k3-counts {size.model_key()} T{size.tokens}")
+    modes = (["post_cut"] if lean else ["reap", "post_cut"]) + (["together"] if together else [])
+    progress = tqdm(
+        total=len(modes) + (1 if lean else 3), desc=f"k3-counts {size.model_key()} T{size.tokens}"
+    )
     for mode in modes:
         progress.set_postfix_str(mode)
         stages[mode] = run_child(
@@ -415,7 +420,8 @@ def run_recipe(size: Size, work: Path, cache: Path, threads: int, together: bool
         )
         progress.update()
     post = stages["post_cut"]
-    stages["reap"]["disk_bytes"] = stages["reap"].get("checkpoint_dir_peak_bytes", 0)
+    if "reap" in stages:
+        stages["reap"]["disk_bytes"] = stages["reap"].get("checkpoint_dir_peak_bytes", 0)
     if post.get("error") is None and post.get("returncode") == 0:
         out = Path(post["output_dir"])
         post["disk_bytes"] = disk_bytes(out)
@@ -425,7 +431,7 @@ def run_recipe(size: Size, work: Path, cache: Path, threads: int, together: bool
             ("reap verify (prune)", ["verify", str(pruned), "--source", str(model)]),
             ("reap verify (post_cut save)", ["verify", str(out), "--source", str(model)]),
         ]
-        for name, argv in cli:
+        for name, argv in cli[:1] if lean else cli:
             progress.set_postfix_str(name)
             stages[name] = run_child(["--child", "cli", "--", *argv], work / f"{name}.log", threads)
             progress.update()
@@ -517,20 +523,32 @@ def slope(xs: list[float], ys: list[float]) -> float | None:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / den
 
 
-def sweep(base: Size, work: Path, cache: Path, threads: int) -> dict:
-    """Every stage at three sizes of each axis (the base in the middle); the slopes."""
+def sweep(base: Size, work: Path, cache: Path, threads: int, axes: list[str]) -> dict:
+    """Every stage at three sizes of each of ``axes`` (the base in the middle); the slopes
+    (an axis not swept gets no slope, and the extrapolation does not grow with it)."""
     runs: dict[str, dict] = {}
     points: dict[str, list[tuple[str, Size]]] = {}
     middle = {k: v for changes in AXES.values() for k, v in changes[1].items()}
     centre = replace(base, **middle)
     for axis, changes in AXES.items():
+        if axis not in axes:
+            continue
         points[axis] = []
         for change in changes:
             size = replace(centre, **change)
             key = json.dumps(asdict(size), sort_keys=True)
-            if key not in runs:
-                runs[key] = run_recipe(size, work / f"sweep-{len(runs)}", cache, threads, False)
+            done = work / "runs" / f"{size.model_key()}-T{size.tokens}-F{size.fit_tokens}.json"
+            if key in runs:
+                pass
+            elif done.is_file():  # a rerun of the sweep reuses the sizes it measured
+                runs[key] = json.loads(done.read_text())
+            else:
+                runs[key] = run_recipe(
+                    size, work / f"sweep-{len(runs)}", cache, threads, False, lean=True
+                )
                 runs[key]["rows"] = stage_rows(runs[key])
+                done.parent.mkdir(parents=True, exist_ok=True)
+                done.write_text(json.dumps(runs[key], indent=2))
             points[axis].append((key, size))
     centre_key = json.dumps(asdict(centre), sort_keys=True)
     stages = [r["stage"] for r in runs[centre_key]["rows"]]
@@ -571,7 +589,9 @@ def growth_table(rows: list[dict], fits: dict) -> str:
     ]
     for r in rows:
         sl = fits[r["stage"]]["seconds"]
-        cells = ["" if sl[a]["slope"] is None else f"{sl[a]['slope']:.2f}" for a in AXES]
+        cells = [
+            "" if a not in sl or sl[a]["slope"] is None else f"{sl[a]['slope']:.2f}" for a in AXES
+        ]
         lines.append(
             f"| {r['stage']} | {r['seconds'] or 0:.1f} | "
             + " | ".join(cells)
@@ -670,7 +690,7 @@ def extrapolate(centre: Size, rows: list[dict], fits: dict, ranks: int = 8) -> d
             continue
         grow = 1.0
         slopes = fits[stage]["seconds"]
-        for axis in AXES:
+        for axis in slopes:
             sl = slopes[axis]["slope"]
             sl = min(max(sl or 0.0, 0.0), 2.0)
             if axis == "tokens":
@@ -702,7 +722,8 @@ def extrapolate(centre: Size, rows: list[dict], fits: dict, ranks: int = 8) -> d
                 "counts_s": base * grow,
                 "gpu_compute_s": gpu,
                 "io_s": io,
-                "per_rank_s": (base * grow + gpu + io) / (ranks if calib else 1),
+                "per_rank_gpu_s": (gpu + io) / (ranks if calib else 1),
+                "per_rank_counts_s": base * grow / (ranks if calib else 1),
                 "split_over_ranks": calib,
             }
         )
@@ -760,13 +781,19 @@ def extrapolation_text(extra: dict) -> str:
         f"{t['experts']} experts, top-{t['top_k']}, vocab {t['vocab']}, "
         f"{t['samples']} x {t['seq']} calibration tokens, router_fit_tokens {t['fit_tokens']}, "
         f"{extra['ranks']} ranks\n",
-        "| stage | measured s (tiny) | counts term s | GPU compute s | disk s | per rank h |",
+        "counts term: the time measured here at tiny widths (per-expert and per-token "
+        "overhead, one CPU thread), grown by the fitted slopes to K3's counts and tokens; "
+        "GPU term: the stage's FLOPs at K3's widths at the assumed GPU rate, plus its bytes "
+        "at the assumed disk rate. Calibration is split over the ranks; the post-cut step "
+        "runs on the first rank.\n",
+        "| stage | measured s (tiny) | counts term, CPU h/rank | GPU FLOPs s | disk s "
+        "| GPU + disk h/rank |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for s in extra["stages"]:
         lines.append(
-            f"| {s['stage']} | {s['measured_s']:.1f} | {s['counts_s']:.3g} | "
-            f"{s['gpu_compute_s']:.3g} | {s['io_s']:.3g} | {s['per_rank_s'] / 3600:.3g} |"
+            f"| {s['stage']} | {s['measured_s']:.1f} | {s['per_rank_counts_s'] / 3600:.3g} | "
+            f"{s['gpu_compute_s']:.3g} | {s['io_s']:.3g} | {s['per_rank_gpu_s'] / 3600:.3g} |"
         )
     lines.append(
         "\nmemory (GiB): "
@@ -792,6 +819,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--sweep", action="store_true", help="three sizes per axis, slopes, extrapolation"
     )
+    p.add_argument("--axes", default=",".join(AXES), help="the sweep's axes (default: all four)")
     p.add_argument("--child", choices=["oneshot", "cli"], help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--size", help=argparse.SUPPRESS)
@@ -812,7 +840,7 @@ def main(argv=None) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     report: dict = {"argv": sys.argv[1:], "threads": args.threads}
     if args.sweep:
-        report.update(sweep(size, work, cache, args.threads))
+        report.update(sweep(size, work, cache, args.threads, args.axes.split(",")))
     else:
         run = run_recipe(size, work / "run", cache, args.threads, args.together)
         report["run"] = run
