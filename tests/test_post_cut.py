@@ -170,9 +170,27 @@ def test_compensation_needs_a_shared_expert(tmp_path, tokenizer):
         _oneshot(model, modifier, tokenizer)
 
 
-def test_spilled_capture_gives_the_same_fit(tmp_path, tokenizer):
+def test_spilled_capture_gives_the_same_fit(tmp_path, tokenizer, monkeypatch):
     """``fit_spill_dir``: the captured rows go to disk and come back the same, so the fit is
-    the in-memory fit, tensor for tensor; the spill files are gone afterwards."""
+    the in-memory fit, tensor for tensor; no stage holds more than one layer's rows at a
+    time (every layer's rows read back are released before the next is read); the spill
+    files are gone afterwards, and after a run that fails."""
+    import weakref
+
+    from reap_modifier.post_cut.rows import RowStore
+
+    alive, most = [], [0]
+    read = RowStore.rows
+
+    def tracked(self, name):
+        x, y = read(self, name)
+        if self.dir is not None:
+            alive[:] = [r for r in alive if r() is not None]
+            alive.append(weakref.ref(x))
+            most[0] = max(most[0], len(alive))
+        return x, y
+
+    monkeypatch.setattr(RowStore, "rows", tracked)
     fixture = build_mxfp4_checkpoint("kimi_k3", tmp_path / "src", grouped=True)
     fitted = []
     for spill in (None, tmp_path / "spill"):
@@ -180,6 +198,8 @@ def test_spilled_capture_gives_the_same_fit(tmp_path, tokenizer):
         modifier = REAPPruningModifier(
             sparsity=0.5,
             calibrate_router=True,
+            compensate=True,
+            compensation_steps=2,
             router_fit_steps=10,
             validate_fit=False,
             **({"fit_spill_dir": str(spill)} if spill else {}),
@@ -190,7 +210,25 @@ def test_spilled_capture_gives_the_same_fit(tmp_path, tokenizer):
     for layer, named in fitted[0].items():
         for name, tensor in named.items():
             assert torch.equal(tensor, fitted[1][layer][name]), (layer, name)
+    assert most[0] == 1, f"{most[0]} layers' rows were alive at once"
     assert not any(p.is_file() for p in (tmp_path / "spill").rglob("*"))
+
+    # a fit that fails mid-way leaves no spilled rows behind either
+    from dataclasses import replace
+
+    from reap_modifier.post_cut.components import COMPONENT
+
+    def failing(layer, x, y, settings):
+        raise RuntimeError("fit failed")
+
+    monkeypatch.setitem(COMPONENT, "router", replace(COMPONENT["router"], fit=failing))
+    model = reload_class("kimi_k3").from_pretrained(fixture.path)
+    modifier = REAPPruningModifier(
+        sparsity=0.5, calibrate_router=True, validate_fit=False, fit_spill_dir=str(tmp_path / "s2")
+    )
+    with pytest.raises(RuntimeError, match="fit failed"):
+        _oneshot(model, modifier, tokenizer)
+    assert not any(p.is_file() for p in (tmp_path / "s2").rglob("*"))
 
 
 def test_block_error_selection_rechooses_the_kept_experts(tmp_path, tokenizer):

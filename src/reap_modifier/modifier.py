@@ -441,10 +441,13 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
         self._capture = None  # the cut is no longer deferred
         plan, self._deferred_plan = self._deferred_plan, None
         overlay = partial(self._packed_overlay, model)
-        plan = step.choose(model, plan, self._ranking or {}, overlay)
-        self._cut_model(model, plan)
-        step.settings.saved_dtype = saved_dtypes(model)  # the fits are rounded to it
-        self._router_fit = step.fit(model, overlay)
+        try:
+            plan = step.choose(model, plan, self._ranking or {}, overlay)
+            self._cut_model(model, plan)
+            step.settings.saved_dtype = saved_dtypes(model)  # the fits are rounded to it
+            self._router_fit = step.fit(model, overlay)
+        finally:
+            step.close()  # the captured rows and their spilled files, also on failure
         self._fitted_tensors = step.tensors
         if distributed.is_source_process():
             self._write_outputs(plan)  # the manifest records the fit

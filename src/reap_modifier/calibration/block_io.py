@@ -41,7 +41,7 @@ from .. import registries
 from ..models import MoEArchitecture
 from .tokens import BatchTokenTracker, call_arguments
 
-__all__ = ["BlockIOCapture", "join_chunks", "row_positions"]
+__all__ = ["BlockIOCapture", "join_chunks"]
 
 _MODEL_INPUTS = ("input_ids", "attention_mask")
 
@@ -83,7 +83,7 @@ class BlockIOCapture:
         self.batch_size = max(int(batch_size), 1)
         self._register = register_hook
         self._model = model
-        #: per block: ``(position, x, y)`` or ``(position, spilled file)`` per sample
+        #: per block: ``(position, x, y)`` or ``(position, spilled file, rows)`` per sample
         self._chunks: dict[str, list[tuple]] = {n: [] for n in arch.layer_names}
         self._count: dict[str, int] = dict.fromkeys(arch.layer_names, 0)
         self._samples: dict[str, int] = dict.fromkeys(arch.layer_names, 0)
@@ -124,19 +124,26 @@ class BlockIOCapture:
             self._held[pos] = self._inputs[pos]
         for name, chunks in self._chunks.items():
             for chunk in chunks:
-                if chunk[0] in mine and len(chunk) == 2:
-                    Path(chunk[1]).unlink(missing_ok=True)
+                if chunk[0] in mine and isinstance(chunk[1], Path):
+                    chunk[1].unlink(missing_ok=True)
             self._chunks[name] = [c for c in chunks if c[0] not in mine]
 
     def validation_samples(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
         """The held-out samples' ``(position, model inputs)`` (CPU, ``[1, T]``)."""
         return sorted(self._held.items(), key=lambda item: item[0])
 
+    def chunk_rows(self, name: str) -> list[tuple[int, int]]:
+        """Block ``name``'s recorded ``(position, rows)`` per sample (nothing read)."""
+        return [
+            (c[0], c[2] if isinstance(c[1], Path) else c[1].shape[0])
+            for c in self._chunks.get(name, [])
+        ]
+
     def chunks(self, name: str) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Block ``name``'s recorded ``(position, inputs, outputs)`` per sample, released."""
         out = []
         for chunk in self._chunks.pop(name, []):
-            if len(chunk) == 2:
+            if isinstance(chunk[1], Path):
                 from safetensors.torch import load_file
 
                 loaded = load_file(str(chunk[1]))
@@ -225,7 +232,7 @@ class BlockIOCapture:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{len(self._chunks[name]):06d}.safetensors"
         save_file({"x": x.contiguous(), "y": y.contiguous()}, str(path))
-        self._chunks[name].append((pos, path))
+        self._chunks[name].append((pos, path, x.shape[0]))
 
 
 def join_chunks(chunks: list[tuple], max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,11 +244,3 @@ def join_chunks(chunks: list[tuple], max_tokens: int) -> tuple[torch.Tensor, tor
     x = torch.cat([c[1] for c in chunks])[:max_tokens]
     y = torch.cat([c[2] for c in chunks])[:max_tokens]
     return x, y
-
-
-def row_positions(chunks: list[tuple], max_tokens: int) -> torch.Tensor:
-    """The sample position of each row :func:`join_chunks` returns for ``chunks``."""
-    chunks = sorted(chunks, key=lambda c: c[0])
-    counts = torch.tensor([c[1].shape[0] for c in chunks], dtype=torch.long)
-    positions = torch.tensor([c[0] for c in chunks], dtype=torch.long)
-    return torch.repeat_interleave(positions, counts)[:max_tokens]
