@@ -37,13 +37,14 @@ from pathlib import Path
 import torch
 from loguru import logger
 
-from ..calibration.block_io import BlockIOCapture, join_chunks
-from ..calibration.sample_groups import SampleGroups, group_names
+from ..calibration.block_io import BlockIOCapture
+from ..calibration.sample_groups import SampleGroups
 from ..models import MoEArchitecture, MoELayer
 from ..scores.plan import PruningPlan
 from . import ranks
 from .block_fit import read_tensors, write_tensors
 from .components import COMPONENT
+from .gather import gather
 from .rows import RowStore
 from .selection import choose, select_layers, selection_plan
 from .settings import PostCutSettings
@@ -136,7 +137,11 @@ class PostCutStep:
         :param overlay: makes a packed model computable for the duration of a stage
             (returns an attached object with ``detach``, or ``None``)
         """
-        self._gather()
+        gathered = gather(
+            self.capture, self.arch, self.settings, self.group, self.groups is not None
+        )
+        self._rows, self._held, self._mine = gathered.rows, gathered.held, gathered.mine
+        self._groups, self._group_record = gathered.groups, gathered.group_record
         s = self.settings
         with _attached(overlay()):
             self._validation = self._reference(model)
@@ -186,85 +191,6 @@ class PostCutStep:
         if errors:
             raise RuntimeError(f"the post-cut {what} failed ({'; '.join(errors)})")
         return {k: v for k, v in merged.items() if not k.startswith("__failed__")}
-
-    def _gather(self) -> None:
-        """Each layer's rows (every rank's, in one process's order) to the rank that owns
-        it, one layer at a time (:class:`~.rows.RowStore`); the held-out samples, shared;
-        with groups, every group given a held-out sample (:meth:`_cover_groups`) and the
-        rows' group ids of the owned layers."""
-        capture, s, g = self.capture, self.settings, self.group
-        capture.detach()
-        labels = None
-        if self.groups is not None:
-            labels = dict(ranks.gathered(list(capture.labels.items()), g))
-            self._cover_groups(capture, labels)
-        sizes = {n: ranks.gathered(capture.chunk_rows(n), g) for n in self.arch.layer_names}
-        empty = [n for n, c in sizes.items() if sum(r for _, r in c) < 2]
-        if empty:
-            raise RuntimeError(
-                f"the post-cut fit captured no calibration tokens for {empty[0]}: no "
-                "calibration data reached the MoE layers (num_calibration_samples > 0)"
-            )
-        self._rows = RowStore(s.spill_dir)
-        me = ranks.rank(g)
-        for i, n in enumerate(self.arch.layer_names):
-            chunks = ranks.gathered_to(capture.chunks(n), ranks.owner(i, g), g)
-            if chunks is not None:
-                self._rows.put(n, *join_chunks(chunks, s.tokens))
-            del chunks
-        held = sorted(ranks.gathered(capture.validation_samples(), g), key=lambda h: h[0])
-        self._held = [(p, x, labels[p] if labels is not None else None) for p, x in held]
-        self._mine = [j for j in range(len(held)) if ranks.owner(j, g) == me]
-        if labels is not None:
-            self._label_rows(labels, sizes)
-
-    def _label_rows(self, labels: dict[int, str], sizes: dict[str, list]) -> None:
-        """The group names (of the first layer's captured rows; warns when a group of the
-        calibration has none, or there is one), each owned layer's row group ids, and the
-        captured tokens per group."""
-        tokens = self.settings.tokens
-
-        def positions(chunks) -> torch.Tensor:
-            chunks = sorted(chunks)
-            pos = torch.tensor([p for p, _ in chunks], dtype=torch.long)
-            counts = torch.tensor([r for _, r in chunks], dtype=torch.long)
-            return torch.repeat_interleave(pos, counts)[:tokens]
-
-        first = positions(sizes[self.arch.layer_names[0]]).tolist()
-        column = self.settings.selection_groups
-        names = group_names([labels[p] for p in first], set(labels.values()), column)
-        index = {name: i for i, name in enumerate(names)}
-        ids = {
-            n: torch.tensor([index[labels[p]] for p in positions(sizes[n]).tolist()])
-            for n in (x.name for x in self._owned())
-        }
-        self._groups = names, ids
-        counts = torch.tensor([index[labels[p]] for p in first]).bincount(minlength=len(names))
-        self._group_record = {
-            "column": column,
-            "names": names,
-            "tokens": dict(zip(names, counts.tolist(), strict=True)),
-        }
-
-    def _cover_groups(self, capture: BlockIOCapture, labels: dict[int, str]) -> None:
-        """Hold out, in every group with no held-out sample, its last calibrated sample
-        (the same choice on every rank; each rank moves the samples it calibrated)."""
-        if not self.settings.holdout_every:
-            return
-        held = {p for p, _ in ranks.gathered(capture.validation_samples(), self.group)}
-        covered = {labels[p] for p in held if p in labels}
-        extra = {
-            max(p for p, g in labels.items() if g == group)
-            for group in set(labels.values()) - covered
-        }
-        if extra:
-            logger.info(
-                f"REAP post-cut step: held out {len(extra)} more sample(s) so that every "
-                f"{self.settings.selection_groups} has one ("
-                + ", ".join(sorted(labels[p] for p in extra))
-                + ")"
-            )
-            capture.hold_out(extra)
 
     def _reference(self, model) -> ValidationSet | None:
         """This rank's held-out samples and the unpruned model's distributions on them
