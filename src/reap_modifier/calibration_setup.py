@@ -24,7 +24,28 @@ from .calibration.packed import PackedCompute, check_module_formats, compressed_
 from .calibration.routed_only import set_calibrate_all_experts
 from .models.refusals import check_traced
 
-__all__ = ["CalibrationSetup"]
+__all__ = ["POST_CUT_IDENTITY", "CalibrationSetup"]
+
+#: the recipe fields a resumed post-cut step must share with the run that wrote its results
+POST_CUT_IDENTITY = (
+    "sparsity",
+    "num_experts_to_keep",
+    "divisible_by",
+    "saliency",
+    "selection",
+    "selection_candidates",
+    "selection_drops",
+    "selection_groups",
+    "calibrate_router",
+    "calibrate_bias",
+    "compensate",
+    "router_fit_tokens",
+    "router_fit_steps",
+    "router_fit_lr",
+    "compensation_steps",
+    "compensation_lr",
+    "validate_fit",
+)
 
 
 class CalibrationSetup:
@@ -56,13 +77,18 @@ class CalibrationSetup:
                 f"checkpoint_dir resumes REAP's statistics only, but the recipe also runs "
                 f"{', '.join(others)}; run REAP in a recipe of its own or remove checkpoint_dir"
             )
-        recipe = {k: getattr(self, k) for k in ("ignore", "calibration_source", "dequantize")}
+        fields = ("ignore", "calibration_source", "dequantize")
+        if self.fits_after_cut:  # the post-cut step resumes too: its results are the cut's
+            fields += POST_CUT_IDENTITY
+        recipe = {k: getattr(self, k) for k in fields}
         identity = calibration_identity(
             model, self._arch, self._fingerprint(), recipe, distributed.world_size()
         )
         self._checkpoint = CalibrationCheckpoint(
             self.checkpoint_dir, identity, self._observer.accumulators, self._cpu_group
         )
+        if self._post_cut is not None:  # the post-cut step resumes with the calibration
+            self._checkpoint.on_restore.append(self._post_cut.restored)
         registries.set_sequential_checkpoint(model, self._checkpoint)
 
     def _prepare_weights(self, model: torch.nn.Module) -> None:

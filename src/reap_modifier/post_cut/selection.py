@@ -22,6 +22,7 @@ from loguru import logger
 from ..models import MoEArchitecture, MoELayer
 from ..scores.plan import PruningPlan, retained_mass
 from .plan_view import routed_as, view_problem
+from .resume import StageLog
 from .rows import RowStore
 from .validation import HeldOutKL, keeps
 
@@ -37,12 +38,16 @@ def select_layers(
     candidates: int | None,
     drops: int,
     groups: tuple[list[str], dict[str, torch.Tensor]] | None = None,
+    log: StageLog | None = None,
+    index: Callable[[str], int] | None = None,
 ) -> dict[str, tuple[list[int], dict]]:
     """``{layer: (kept ids, record)}``: for each of ``layers``, the same keep count as
     ``plan``, the kept experts chosen by greedy elimination on the block's re-routed output
     error (:mod:`.block_selection`; with ``groups``, the group names and each row's group
     index per layer, the worst group's error), ``ranking`` (the cut's saliency) ordering the
-    candidates. Call on the unpruned model; one layer's rows read at a time."""
+    candidates. Call on the unpruned model; one layer's rows read at a time. ``log``: each
+    layer's result taken from, or written to, the post-cut resume (``index``: a layer's
+    position, for its pause point)."""
     from compressed_tensors import align_module_device
     from tqdm.auto import tqdm
 
@@ -51,6 +56,10 @@ def select_layers(
     names, row_groups = groups if groups is not None else (None, {})
     out = {}
     for layer in tqdm(layers, desc="REAP block-error selection"):
+        done = log.load("selection", layer.name) if log is not None else None
+        if done is not None:  # an earlier run chose it (checkpoint_dir)
+            out[layer.name] = done
+            continue
         x, y = rows.rows(layer.name)
         ids_of = row_groups.get(layer.name)
         with align_module_device(layer.block):
@@ -71,6 +80,8 @@ def select_layers(
             rec["group_errors"] = {names[int(g)]: v for g, v in rec["group_errors"].items()}
         out[layer.name] = (ids, rec)
         del x, y
+        if log is not None:
+            log.save("selection", layer.name, index(layer.name), out[layer.name])
     return out
 
 

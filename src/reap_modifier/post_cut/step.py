@@ -45,6 +45,7 @@ from . import ranks
 from .block_fit import read_tensors, write_tensors
 from .components import COMPONENT
 from .gather import gather
+from .resume import StageLog
 from .rows import RowStore
 from .selection import choose, select_layers, selection_plan
 from .settings import PostCutSettings
@@ -82,6 +83,8 @@ class PostCutStep:
         #: with groups: their names, each owned layer's row group ids, tokens per group
         self._groups: tuple[list[str], dict[str, torch.Tensor]] | None = None
         self._group_record: dict | None = None
+        #: each stage's per-layer results on disk (``checkpoint_dir``; else a no-op)
+        self.log = StageLog(None)
 
     def locate_samples(self, located: dict, group, loader=None) -> None:
         """Where this rank's samples stand in one process's order
@@ -102,6 +105,9 @@ class PostCutStep:
         self.group = group
         if group is not None and s.spill_dir is not None:  # one folder per rank
             s.spill_dir = str(Path(s.spill_dir) / f"rank{ranks.rank(group)}")
+        if group is not None and s.resume_dir is not None:
+            s.resume_dir = str(Path(s.resume_dir) / f"rank{ranks.rank(group)}")
+        self.log = StageLog(s.resume_dir)
 
     def make_capture(self, register_hook, model: torch.nn.Module) -> BlockIOCapture:
         s = self.settings
@@ -115,8 +121,17 @@ class PostCutStep:
             position=s.position,
             batch_size=s.batch_size,
             label_of=self.groups.label if self.groups is not None else None,
+            keep_files=s.resume_dir is not None,
         )
         return self.capture
+
+    def restored(self, done: set[str]) -> None:
+        """The calibration checkpoint restored the MoE layers ``done`` (``checkpoint_dir``):
+        their captured rows come from disk; a fresh start (none) forgets every earlier
+        result of this step."""
+        self.capture.resume(done)
+        if not done:
+            self.log.clear()
 
     # -- stages 1-3: rows, reference, selection (on the unpruned model) ---------------
 
@@ -156,6 +171,8 @@ class PostCutStep:
                         candidates=s.selection_candidates,
                         drops=s.selection_drops,
                         groups=self._groups,
+                        log=self.log,
+                        index=self.arch.layer_names.index,
                     ),
                 )
                 selected, self.selection = selection_plan(
@@ -373,15 +390,28 @@ class PostCutStep:
 
         s, out = self.settings, {}
         for layer in tqdm(owned, desc=f"REAP post-cut fit: {component.name}"):
-            x, y = self._rows.rows(layer.name)
-            with align_module_device(layer.block):
-                device = layer.router.weight.device
-                tensors, rec = component.fit(layer, x.to(device), y.to(device), s)
-            del x, y
-            tensors = {n: _as_saved(t, s.saved_dtype, layer.name, n) for n, t in tensors.items()}
+            done = self.log.load(component.name, layer.name)
+            if done is not None:  # an earlier run fitted it (checkpoint_dir)
+                tensors, rec = done
+            else:
+                x, y = self._rows.rows(layer.name)
+                with align_module_device(layer.block):
+                    device = layer.router.weight.device
+                    tensors, rec = component.fit(layer, x.to(device), y.to(device), s)
+                del x, y
+                tensors = {
+                    n: _as_saved(t, s.saved_dtype, layer.name, n) for n, t in tensors.items()
+                }
+                tensors = {k: v.detach().to("cpu") for k, v in tensors.items()}
+                self.log.save(
+                    component.name,
+                    layer.name,
+                    self.arch.layer_names.index(layer.name),
+                    (tensors, rec),
+                )
             write_tensors(layer, tensors)
             logger.debug(f"REAP post-cut fit {component.name} {layer.name}: {rec}")
-            out[layer.name] = ({k: v.detach().to("cpu") for k, v in tensors.items()}, rec)
+            out[layer.name] = (tensors, rec)
         return out
 
 
