@@ -28,7 +28,12 @@ ORACLE_MODULES = {
 #: reference functions in modules that also build inputs with the product
 ORACLE_FUNCTIONS = {
     "eval_helpers": ["mean_nll"],
-    "mxfp4_fixtures": ["tree_sha256", "tensor_sha256", "load_tensors"],
+    "mxfp4_fixtures": [
+        "tree_sha256",
+        "tensor_sha256",
+        "load_tensors",
+        "kept_experts_are_source_bytes",
+    ],
     "test_evaluate": ["brute_force", "brute_repeat_run"],
     "test_evaluation": ["brute"],
     "test_input_gated": ["_brute_force"],

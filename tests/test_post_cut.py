@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 from conftest import calibration_samples, fresh_process_logits, make_dataset
+from generic_oracle import masked_block_errors
 from mxfp4_fixtures import (
     build_mxfp4_checkpoint,
     kept_experts_are_source_bytes,
@@ -194,9 +195,36 @@ def test_spilled_capture_gives_the_same_fit(tmp_path, tokenizer):
     assert not any(p.is_file() for p in (tmp_path / "spill").rglob("*"))
 
 
-def test_block_error_selection_rechooses_the_kept_experts(tmp_path, tokenizer):
+def _selection_with_oracle(monkeypatch):
+    """Wrap the block-error selection: on the rows and the unpruned block it is given,
+    the masked-routing oracle's error of the search's own set (the same search without
+    the baseline) and of the baseline; ``{layer: (search set, search error, baseline
+    error)}``."""
+    from reap_modifier import block_selection
+
+    real, seen = block_selection.select_by_block_error, {}
+
+    def spy(layer, inputs, targets, keep, *, baseline=None, **kwargs):
+        search, _ = real(layer, inputs, targets, keep, **kwargs)
+        groups = torch.zeros(inputs.shape[0], dtype=torch.long)
+        (search_error,) = masked_block_errors(
+            layer.block, "kimi_k3", inputs, targets, search, groups
+        )
+        (base_error,) = masked_block_errors(
+            layer.block, "kimi_k3", inputs, targets, baseline, groups
+        )
+        seen[layer.name] = (search, search_error, base_error)
+        return real(layer, inputs, targets, keep, baseline=baseline, **kwargs)
+
+    monkeypatch.setattr(block_selection, "select_by_block_error", spy)
+    return seen
+
+
+def test_block_error_selection_rechooses_the_kept_experts(tmp_path, tokenizer, monkeypatch):
     """``selection: block_error``: the same keep count per layer, experts chosen by the block's
-    re-routed output error, recorded in the plan, the record and the manifest."""
+    re-routed output error, recorded in the plan, the record and the manifest; each layer
+    keeps REAP's cut exactly when the masked-routing oracle finds the search's set no better,
+    and the record's errors are the oracle's."""
     fixture = build_mxfp4_checkpoint("kimi_k3", tmp_path / "src", grouped=True)
     reap = _oneshot(
         reload_class("kimi_k3").from_pretrained(fixture.path),
@@ -211,6 +239,9 @@ def test_block_error_selection_rechooses_the_kept_experts(tmp_path, tokenizer):
         selection_candidates=None,
         manifest_path=str(manifest),
     )
+    oracle = _selection_with_oracle(monkeypatch)
+    # the selection evaluates cached expert outputs, the oracle the bf16 block's own forward
+    tol = 3e-3
     _oneshot(model, modifier, tokenizer)
     plan = modifier.plan
     assert plan.saliency == "block_error" and plan.params["candidate_order"] == "reap"
@@ -222,12 +253,17 @@ def test_block_error_selection_rechooses_the_kept_experts(tmp_path, tokenizer):
     assert selection["objective"] == "pooled" and selection["groups"] is None
     (line,) = post_cut_lines({"router_fit": modifier.router_fit})
     assert line.startswith(f"selection: block_error (pooled error); {differs} kept experts")
-    # a layer keeps REAP's cut exactly when the search found no lower error
+    # a layer keeps REAP's cut exactly when the oracle finds the search's set no better
+    assert sorted(oracle) == sorted(plan.kept)
     for name, rec in selection["layers"].items():
+        search, search_error, base_error = oracle[name]
+        assert rec["search_objective"] == pytest.approx(search_error, rel=tol)
+        assert rec["baseline_objective"] == pytest.approx(base_error, rel=tol)
+        if abs(search_error - base_error) > 4 * tol * base_error:  # (no near-tie to decide)
+            assert rec["kept_baseline"] == (base_error < search_error), name
         assert rec["kept_baseline"] == (name in selection["layers_keeping_ranking_cut"])
-        assert rec["kept_baseline"] == (rec["baseline_objective"] <= rec["objective"])
-        if rec["kept_baseline"]:
-            assert plan.kept[name] == reap.plan.kept[name]
+        assert plan.kept[name] == (reap.plan.kept[name] if rec["kept_baseline"] else search)
+        assert rec["objective"] == pytest.approx(min(search_error, base_error), rel=tol)
     assert json.loads(manifest.read_text())["saliency"] == "block_error"
     assert model.config.text_config.num_experts == 8
 
