@@ -22,6 +22,7 @@ PRODUCT = "reap_modifier"
 ORACLE_MODULES = {
     "oracles": "float64 brute-force routing, experts, saliency statistics and pruning",
     "generic_oracle": "masked routing of any family",
+    "ridge_oracle": "a block's output projections' ridge least squares, solved by numpy",
     "family_routing": "the hand-written router / bias table of the masked-routing oracle",
     "memory_probe": "which tensors are alive at once (the memory tests' measure)",
 }
