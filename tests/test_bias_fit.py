@@ -1,15 +1,17 @@
 """Score-correction bias fit after a cut, on tiny models with a DeepSeek-V3-style router.
 
-Oracle: every loss is recomputed here with the block's *own* forward (no swapped dispatch,
-no helper of the code under test) after the fitted bias is written into the router,
-against targets captured by a plain forward hook; the selection is read from the router's
-own output.
+Oracles: every loss is recomputed with the block's *own* forward (no swapped dispatch,
+no helper of the code under test) after the fitted bias is written into the router, or
+in float64 from the parameters by :mod:`bias_oracle`, against targets captured by a plain
+forward hook; the bias is compared with an exhaustive scan of single-coordinate moves
+(:mod:`bias_oracle`); the selection is read from the router's own output.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from bias_oracle import BiasOracle
 from tiny_models import build_tiny, capture_block_io, sample_input_ids
 
 from reap_modifier.bias_fit import BiasFitError, bias_fit_problem, fit_bias
@@ -72,7 +74,15 @@ def _state(layer):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_fit_never_raises_the_held_out_loss_and_leaves_the_layer(kind):
+def test_fit_against_a_float64_oracle_and_an_exhaustive_single_move_scan(kind):
+    """The losses the record reports are the float64 oracle's for the cut's and the
+    returned bias (:mod:`bias_oracle`: routing and experts recomputed from the parameters);
+    a returned move lowers the oracle's held-out loss; and the search keeps at least half
+    the held-out gain of the best single-coordinate move, chosen on the fitting rows by an
+    exhaustive scan of every routing one coordinate can reach. (It is no optimum: on
+    these layers that single move sometimes beats the fit by up to 0.023 on the fitting
+    rows, and by up to 0.0022 held out.)"""
+    family = KINDS[kind][0]
     model, arch, io = _pruned(kind)
     moved = 0
     for layer in arch.layers:
@@ -80,8 +90,7 @@ def test_fit_never_raises_the_held_out_loss_and_leaves_the_layer(kind):
         held = _held(x.shape[0])
         before = _state(layer)
         cut_bias = layer.router.e_score_correction_bias.detach().clone()
-        cut_held = _error(layer, x[held], y[held])
-        cut_fit = _error(layer, x[~held], y[~held])
+        oracle = BiasOracle(family, layer.block, x, y)
 
         bias, record = fit_bias(layer, x, y)
 
@@ -89,19 +98,22 @@ def test_fit_never_raises_the_held_out_loss_and_leaves_the_layer(kind):
         assert before.keys() == after.keys()
         for key, value in before.items():
             assert torch.equal(value, after[key]), key
+        cut_held, fitted_held = oracle.losses(torch.stack([cut_bias, bias]), held).tolist()
+        cut_fit, fitted_fit = oracle.losses(torch.stack([cut_bias, bias]), ~held).tolist()
         assert record.holdout_before == pytest.approx(cut_held, rel=1e-5)
         assert record.loss_before == pytest.approx(cut_fit, rel=1e-5)
-        with torch.no_grad():
-            layer.router.e_score_correction_bias.copy_(bias)
-        fitted_held = _error(layer, x[held], y[held])
-        assert fitted_held <= cut_held
         assert record.holdout_after == pytest.approx(fitted_held, rel=1e-5)
-        assert record.loss_after == pytest.approx(_error(layer, x[~held], y[~held]), rel=1e-5)
+        assert record.loss_after == pytest.approx(fitted_fit, rel=1e-5)
         if torch.equal(bias, cut_bias):
             assert record.fitted == [] and record.best_move == 0
         else:
             assert fitted_held < cut_held and record.fitted
             moved += 1
+        scans = [oracle.single_moves(cut_bias, e, [~held, held]) for e in range(bias.numel())]
+        fit_losses = torch.cat([losses[0] for _, losses in scans])
+        held_losses = torch.cat([losses[1] for _, losses in scans])
+        single_gain = cut_held - float(held_losses[fit_losses.argmin()])
+        assert cut_held - fitted_held >= 0.5 * single_gain, (cut_held, fitted_held, single_gain)
     assert moved, "no layer moved: the test would not see a fit that raises the loss"
 
 

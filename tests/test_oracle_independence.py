@@ -23,6 +23,7 @@ ORACLE_MODULES = {
     "oracles": "float64 brute-force routing, experts, saliency statistics and pruning",
     "generic_oracle": "masked routing of any family",
     "ridge_oracle": "a block's output projections' ridge least squares, solved by numpy",
+    "bias_oracle": "float64 block outputs for any score-correction bias, single-move scans",
     "checkpoint_oracle": "a saved checkpoint's tensors against the in-memory model and the source",
     "family_routing": "the hand-written router / bias table of the masked-routing oracle",
     "memory_probe": "which tensors are alive at once (the memory tests' measure)",
