@@ -17,6 +17,7 @@ import json
 
 import pytest
 import torch
+from bias_oracle import BiasOracle
 from checkpoint_oracle import differs_from_source, saved_equals_memory
 from conftest import calibration_samples, fresh_process_logits, make_dataset
 from generic_oracle import masked_block_errors
@@ -305,6 +306,56 @@ def test_bias_fit_on_the_modifier_saves_what_it_fitted(tmp_path, tokenizer):
         expected = model(input_ids=ids, use_cache=False).logits
     reloaded = fresh_process_logits("kimi_k3", dst, ids, tmp_path / "reloaded.pt")
     torch.testing.assert_close(reloaded, expected, rtol=0, atol=0)
+
+
+def test_bias_fit_on_the_modifier_against_the_float64_oracle(tmp_path, tokenizer, monkeypatch):
+    """On the rows and the pruned block each layer's bias fit is given (a float32 K3, so
+    the float64 oracle of :mod:`bias_oracle` applies to rounding): the losses the record
+    reports are the oracle's for the cut's and the returned bias, the record names the
+    bias exactly when it moved, and a returned move lowers the oracle's held-out loss."""
+    from conftest import save_and_reload
+    from tiny_models import build_tiny
+
+    from reap_modifier import bias_fit
+
+    real, seen = bias_fit.fit_bias, {}
+
+    def spy(layer, x, y, **kwargs):
+        cut = layer.router.e_score_correction_bias.detach().clone()
+        oracle = BiasOracle("kimi_k3", layer.block, x, y)
+        bias, record = real(layer, x, y, **kwargs)
+        held = torch.zeros(x.shape[0], dtype=torch.bool)
+        held[7::8] = True
+        seen[layer.name] = (
+            torch.equal(bias, cut),
+            record,
+            oracle.losses(torch.stack([cut, bias]), held).tolist(),
+            oracle.losses(torch.stack([cut, bias]), ~held).tolist(),
+        )
+        return bias, record
+
+    monkeypatch.setattr(bias_fit, "fit_bias", spy)
+    model, _ = build_tiny("kimi_k3", seed=21, grouped=True)
+    model = save_and_reload(model, "kimi_k3", tmp_path / "src")
+    modifier = REAPPruningModifier(
+        sparsity=0.5,
+        calibrate_bias=True,
+        validate_fit=False,
+        router_fit_tokens=4096,
+    )
+    _oneshot(model, modifier, tokenizer)
+    assert sorted(seen) == sorted(modifier.plan.kept)
+    moved = 0
+    for unmoved, record, (cut_held, held), (cut_fit, fit) in seen.values():
+        assert record.holdout_before == pytest.approx(cut_held, rel=1e-5)
+        assert record.holdout_after == pytest.approx(held, rel=1e-5)
+        assert record.loss_before == pytest.approx(cut_fit, rel=1e-5)
+        assert record.loss_after == pytest.approx(fit, rel=1e-5)
+        assert unmoved == (record.fitted == [])
+        if not unmoved:
+            assert held < cut_held
+            moved += 1
+    assert moved
 
 
 def test_block_error_selection_refuses_a_router_it_does_not_model_before_calibration(
