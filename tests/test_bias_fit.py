@@ -276,3 +276,37 @@ def test_the_tokens_a_move_can_reach_hold_every_token_it_changes():
         assert set(changed.tolist()) <= set(reach.tolist())
         checked += changed.numel()
     assert checked > 0
+
+
+@pytest.mark.parametrize(
+    "family,over",
+    [
+        ("kimi_k3", {"grouped": True}),
+        ("kimi_k3", {"latent_moe_use_norm": True}),
+        ("deepseek_v3", {}),
+    ],
+)
+def test_the_bias_oracle_is_the_blocks_own_forward(family, over):
+    """The oracle's selection (vectorised, float64) is the router's own choice, and its block
+    output the block's own forward, for random biases; a single-move scan's values route
+    as the scan says (checked inside ``single_moves``)."""
+    model, info = build_tiny(family, seed=5, **over)
+    layer = find_moe_architecture(model).layers[0]
+    router = layer.router
+    x = torch.randn(200, info.hidden_size, generator=torch.Generator().manual_seed(0))
+    y = torch.zeros_like(x)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        bias = 0.3 * torch.randn(router.e_score_correction_bias.shape, generator=gen)
+        with torch.no_grad():
+            router.e_score_correction_bias.copy_(bias)
+            own_ids = _selected(layer, x) if family == "kimi_k3" else router(x)[2]
+        oracle = BiasOracle(family, layer.block, x, y)
+        ids, w = oracle.select(bias[None])
+        assert torch.equal(ids[0].sort(-1).values, own_ids.sort(-1).values)
+        torch.testing.assert_close(
+            oracle.outputs(ids, w)[0], _out(layer, x).double(), rtol=1e-4, atol=1e-5
+        )
+        held = torch.arange(x.shape[0]) % 2 == 0
+        values, (losses,) = oracle.single_moves(bias, 0, [held])
+        assert values.numel() > 10 and losses.shape == values.shape

@@ -136,6 +136,11 @@ def test_closed_form_equals_an_independent_solve(family):
     assert output_projections(layer) == paths
     widths = [layer.block.get_submodule(p).weight.shape[1] for p in paths]
     current = _current(layer.block, paths)
+    # the generic features of the zoo-wide test are these hand-written ones
+    generic, generic_rest, generic_current, generic_widths = linear_features(layer.block, x, paths)
+    assert generic_widths == widths and torch.equal(generic_current, current.detach())
+    torch.testing.assert_close(generic, feats.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(generic_rest, rest.detach(), rtol=1e-4, atol=1e-5)
     record, (before, fits) = _check_closed_form(layer, x, y, feats, rest, current, widths)
     assert record.ridge is not None and record.holdout_after < before
     # the unregularised solution alone: the oracle's least squares, to rounding
