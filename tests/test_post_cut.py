@@ -24,6 +24,7 @@ from generic_oracle import masked_block_errors
 from mxfp4_fixtures import (
     build_mxfp4_checkpoint,
     kept_experts_are_source_bytes,
+    load_tensors,
     tree_sha256,
 )
 from pydantic import ValidationError
