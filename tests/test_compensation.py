@@ -155,7 +155,16 @@ def test_compensation_keeps_experts_and_lowers_held_out_error(family):
     x, y = io[layer.name]
     before = {k: v.clone() for k, v in layer.block.state_dict().items()}
     tensors, record = compensate(layer, x, y, steps=30)
+    # the layer is left as it was (the step writes what a component returns)
+    for k, v in layer.block.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert set(tensors) <= {f"{p}.{n}" for p, names in dense_params(layer).items() for n in names}
+    assert any(not torch.equal(before[name], t) for name, t in tensors.items())
     # the recorded held-out error is the compensated block's own, on every 8th token
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            path, _, attr = name.rpartition(".")
+            getattr(layer.block.get_submodule(path), attr).copy_(tensor)
     held = held_out(x.shape[0])
     with torch.no_grad():
         out = layer.block(x[held].unsqueeze(0))
@@ -163,11 +172,6 @@ def test_compensation_keeps_experts_and_lowers_held_out_error(family):
     error = (out - y[held].double()).pow(2).sum() / y[held].double().pow(2).sum()
     assert record["holdout_after"] == pytest.approx(error.item(), rel=1e-5)
     assert record["holdout_after"] < record["closed_form"]["holdout_before"]
-    # the layer is left as it was (the step writes what a component returns)
-    for k, v in layer.block.state_dict().items():
-        assert torch.equal(v, before[k]), k
-    assert set(tensors) <= {f"{p}.{n}" for p, names in dense_params(layer).items() for n in names}
-    assert any(not torch.equal(before[name], t) for name, t in tensors.items())
 
 
 def test_no_shared_expert_means_no_compensation():

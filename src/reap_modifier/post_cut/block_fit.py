@@ -45,6 +45,7 @@ __all__ = [
     "HOLDOUT_EVERY",
     "BlockFitResult",
     "ExpertCache",
+    "FitLosses",
     "block_output",
     "check_rows",
     "differentiable_dispatch",
@@ -62,12 +63,10 @@ HOLDOUT_EVERY = 8
 
 
 @dataclass
-class BlockFitResult:
-    """What one layer's fit did (losses are relative squared errors, see :func:`relative_error`)."""
+class FitLosses:
+    """A layer fit's losses (relative squared errors, :func:`relative_error`) on its fitting
+    and held-out rows, before and after, and the tensors it changed."""
 
-    tokens: int
-    steps: int
-    best_step: int
     loss_before: float
     loss_after: float
     holdout_before: float
@@ -76,6 +75,15 @@ class BlockFitResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class BlockFitResult(FitLosses):
+    """What one layer's gradient fit did."""
+
+    tokens: int
+    steps: int
+    best_step: int
 
 
 def check_rows(
