@@ -1,5 +1,6 @@
-"""How a ``REAPPruningModifier`` prepares and tidies up calibration: compressed experts
-kept packed or the model decompressed, the sequential trace checked to reach every MoE
+"""How a ``REAPPruningModifier`` prepares and tidies up calibration: the recipe's other
+modifiers, compressed experts kept packed or the model decompressed (and made computable
+for each post-cut stage), the sequential trace checked to reach every MoE
 block, the resumable calibration checkpoint opened, and ``moe_calibrate_all_experts``
 restored.
 
@@ -113,6 +114,24 @@ class CalibrationSetup:
             return
         self._packed = PackedCompute(model, self.dequantize)
         self._packed.attach()
+
+    def _other_modifiers(self) -> list[str]:
+        from llmcompressor.core import active_session
+
+        recipe = active_session().lifecycle.recipe
+        return [
+            type(m).__name__
+            for m in (recipe.modifiers if recipe is not None else [])
+            if not isinstance(m, type(self))
+        ]
+
+    def _packed_overlay(self, model: torch.nn.Module) -> PackedCompute | None:
+        """Packed experts made computable for one post-cut stage (``None``: not packed)."""
+        if not compressed_modules(model):
+            return None
+        packed = PackedCompute(model, "expert" if self.dequantize == "expert" else "layer")
+        packed.attach()
+        return packed
 
     def _other_calibrating_modifiers(self) -> list[str]:
         """Other modifiers of this calibration that need data (the independent
