@@ -24,13 +24,21 @@ PRODUCT = "reap_modifier"
 ORACLE_MODULES = {
     "oracles": "float64 brute-force routing, experts, saliency statistics and pruning",
     "generic_oracle": "masked routing of any family",
+    "ridge_oracle": "a block's output projections' ridge least squares, solved by numpy",
+    "bias_oracle": "float64 block outputs for any score-correction bias, single-move scans",
+    "checkpoint_oracle": "a saved checkpoint's tensors against the in-memory model and the source",
     "family_routing": "the hand-written router / bias table of the masked-routing oracle",
     "memory_probe": "which tensors are alive at once (the memory tests' measure)",
 }
 #: reference functions in modules that also build inputs with the product
 ORACLE_FUNCTIONS = {
     "eval_helpers": ["mean_nll"],
-    "mxfp4_fixtures": ["tree_sha256", "tensor_sha256", "load_tensors"],
+    "mxfp4_fixtures": [
+        "tree_sha256",
+        "tensor_sha256",
+        "load_tensors",
+        "kept_experts_are_source_bytes",
+    ],
     "test_evaluate": ["brute_force", "brute_repeat_run"],
     "test_evaluation": ["brute"],
     "test_input_gated": ["_brute_force"],

@@ -72,6 +72,8 @@ def _run(
             pass
     result = {"kept": modifier.plan.kept, "resumed": [x for x in lines if "resuming" in x]}
     (out / "result.json").write_text(json.dumps(result))
+    if modifier.router_fit is not None:  # the post-cut step's record and kept tensors
+        torch.save((modifier.router_fit, modifier._fitted_tensors), out / "post_cut.pt")
     return result
 
 
@@ -343,13 +345,74 @@ def test_batches_are_matched_by_content_over_all_ranks():
     "recipe",
     [
         {"propagate_pruned": True},
-        {"calibrate_router": True},
+        {"calibrate_router": True, "fit_spill_dir": "spill"},  # rows go to checkpoint_dir
         {"saliency": "router_l1"},  # a weight baseline: nothing is calibrated
     ],
 )
 def test_runs_that_cannot_resume_are_refused(tmp_path, recipe):
     with pytest.raises(ValueError, match="checkpoint_dir cannot resume this run: .*; remove one"):
         REAPPruningModifier(num_experts_to_keep=4, checkpoint_dir=str(tmp_path), **recipe)
+
+
+def _untimed(record):
+    """A post-cut record without its wall-clock fields, its floats as ``pytest.approx`` to
+    1e-6 (the block-error search's float32 contributions carry last-bit noise from run to
+    run; the kept ids, the decisions and the fitted tensors are compared exactly)."""
+    if isinstance(record, dict):
+        return {k: _untimed(v) for k, v in record.items() if k not in ("seconds", "setup_seconds")}
+    if isinstance(record, list):
+        return [_untimed(v) for v in record]
+    if isinstance(record, float):
+        return pytest.approx(record, rel=1e-6)
+    return record
+
+
+def test_post_cut_step_resumes_after_a_kill_in_its_fits(setup, shuffled, tmp_path, monkeypatch):
+    """Block-error selection and router fit with ``checkpoint_dir``: killed (SIGKILL) after
+    the router fit of the second MoE layer was written, rerun by the same unseeded script
+    (its shuffle deals the samples in another order): the calibration resumes after its last
+    layer, the rows come back from the checkpoint, the selections and the two fitted layers
+    are taken from disk (only the other layers are fitted), and the plan, the record and
+    every fitted tensor equal, bit for bit, an uninterrupted run's in the killed run's order."""
+    from dataclasses import replace
+
+    from reap_modifier.post_cut.components import COMPONENT
+
+    root, samples, kw = setup["root"], shuffled["samples"], shuffled["kw"]
+    recipe = {"selection": "block_error", "calibrate_router": True, "router_fit_steps": 15}
+    _seeded_run(1, root / "src", tmp_path / "whole", None, samples, **kw, **recipe)
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "paused"
+    args = (1, root / "src", tmp_path / "killed", ckpt, samples)
+    proc = _paused_child(
+        lambda: _seeded_run(*args, **kw, **recipe), (), "post-cut-router:2", marker
+    )
+    _wait_for([marker], [proc])
+    _kill([proc])
+    assert len(list((ckpt / "post_cut" / "stages" / "router").glob("*.pt"))) == 2
+
+    fitted = []
+    real = COMPONENT["router"].fit
+
+    def counted(layer, x, y, settings):
+        fitted.append(layer.name)
+        return real(layer, x, y, settings)
+
+    monkeypatch.setitem(COMPONENT, "router", replace(COMPONENT["router"], fit=counted))
+    rerun = _seeded_run(2, root / "src", tmp_path / "rerun", ckpt, samples, **kw, **recipe)
+    (line,) = rerun["resumed"]
+    assert f"resuming after layer {LAYERS} of {LAYERS}" in line
+    layers = list(rerun["kept"])
+    assert fitted == layers[2:]  # the first two were taken from the killed run's files
+    whole = json.loads((tmp_path / "whole" / "result.json").read_text())
+    assert rerun["kept"] == whole["kept"]
+    (record, tensors), (ref_record, ref_tensors) = (
+        torch.load(tmp_path / d / "post_cut.pt", weights_only=False) for d in ("rerun", "whole")
+    )
+    assert _untimed(record) == _untimed(ref_record)
+    assert tensors.keys() == ref_tensors.keys() and tensors
+    for layer, named in ref_tensors.items():
+        for name, tensor in named.items():
+            assert torch.equal(tensors[layer][name], tensor), (layer, name)
 
 
 # -- data parallel -----------------------------------------------------------------------

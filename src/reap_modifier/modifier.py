@@ -312,16 +312,6 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
                 )
         return True
 
-    def _other_modifiers(self) -> list[str]:
-        from llmcompressor.core import active_session
-
-        recipe = active_session().lifecycle.recipe
-        return [
-            type(m).__name__
-            for m in (recipe.modifiers if recipe is not None else [])
-            if not isinstance(m, REAPPruningModifier)
-        ]
-
     def on_calibration_start(self, state: State, event: Event, **kwargs) -> None:
         if self._capture is not None:
             self._capture.attach()
@@ -441,21 +431,16 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
         self._capture = None  # the cut is no longer deferred
         plan, self._deferred_plan = self._deferred_plan, None
         overlay = partial(self._packed_overlay, model)
-        plan = step.choose(model, plan, self._ranking or {}, overlay)
-        self._cut_model(model, plan)
-        step.settings.saved_dtype = saved_dtypes(model)  # the fits are rounded to it
-        self._router_fit = step.fit(model, overlay)
+        try:
+            plan = step.choose(model, plan, self._ranking or {}, overlay)
+            self._cut_model(model, plan)
+            step.settings.saved_dtype = saved_dtypes(model)  # the fits are rounded to it
+            self._router_fit = step.fit(model, overlay)
+        finally:
+            step.close()  # the captured rows and their spilled files, also on failure
         self._fitted_tensors = step.tensors
         if distributed.is_source_process():
             self._write_outputs(plan)  # the manifest records the fit
-
-    def _packed_overlay(self, model: torch.nn.Module) -> PackedCompute | None:
-        """Packed experts made computable for one post-cut stage (``None``: not packed)."""
-        if not compressed_modules(model):
-            return None
-        packed = PackedCompute(model, "expert" if self.dequantize == "expert" else "layer")
-        packed.attach()
-        return packed
 
     @property
     def router_fit(self) -> dict | None:

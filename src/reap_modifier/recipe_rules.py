@@ -67,8 +67,8 @@ def check_recipe(recipe: BaseModel) -> None:
             if not recipe.calibrates
             else "propagate_pruned cuts layers during calibration"
             if recipe.propagate_pruned
-            else f"{stage_fields(recipe)} hold(s) every layer's inputs until the end"
-            if recipe.fits_after_cut
+            else "fit_spill_dir: with checkpoint_dir the post-cut step's rows are kept there"
+            if recipe.fit_spill_dir is not None
             else None
         )
         if clash:

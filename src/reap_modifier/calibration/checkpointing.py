@@ -190,6 +190,10 @@ class CalibrationCheckpoint:
         self._digests: list[list[str]] | None = None
         #: this rank's batches (``input_ids`` / ``attention_mask``) in the order calibrated
         self._batches: list[dict] = []
+        #: called once the pipeline's cache is restored, with the MoE layers whose
+        #: statistics came from disk (empty on a fresh start): e.g. the post-cut capture
+        #: taking those layers' rows from the files an earlier run spilled
+        self.on_restore: list = []
 
     # -- checks -------------------------------------------------------------------------
 
@@ -257,6 +261,8 @@ class CalibrationCheckpoint:
         if self._state is None:
             self._digests, self._batches = current, batches
             self._remove_leftovers(keep=None)
+            for listener in self.on_restore:
+                listener(set())
             return batches
         recorded = self._state["batches"]
         self._check_batches(recorded, current)  # the same on every rank
@@ -270,6 +276,8 @@ class CalibrationCheckpoint:
             )
         saved = torch.load(path, weights_only=False)  # written by this module
         restored = self._restore_accumulators(saved["accumulators"])
+        for listener in self.on_restore:
+            listener(set(saved["accumulators"]))
         if saved["intermediates"] is not None:
             cache.batch_intermediates = saved["intermediates"]
         # the recorded order: the saved activations' (and every listener's, through compat)

@@ -53,13 +53,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from ..models import MoELayer
 from .block_fit import (
     ExpertCache,
+    FitLosses,
     check_rows,
     differentiable_dispatch,
     holdout_rows,
@@ -89,7 +90,7 @@ REPEATS = 8
 
 
 @dataclass
-class BiasFitResult:
+class BiasFitResult(FitLosses):
     """What one layer's bias fit did (losses are relative squared errors).
 
     ``block_rows`` counts the token rows run through the block (candidates and kept moves;
@@ -103,14 +104,6 @@ class BiasFitResult:
     best_move: int
     block_rows: int
     expert_rows: int
-    loss_before: float
-    loss_after: float
-    holdout_before: float
-    holdout_after: float
-    fitted: list[str]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def bias_fit_problem(layer: MoELayer) -> str | None:

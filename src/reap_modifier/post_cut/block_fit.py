@@ -38,13 +38,14 @@ import torch
 from torch import nn
 
 from ..models import MoELayer
-from .dispatch import block_tensor, one_slot, routed_dispatch
+from .dispatch import block_tensor, routed_dispatch, slot_outputs
 from .errors import PostCutError
 
 __all__ = [
     "HOLDOUT_EVERY",
     "BlockFitResult",
     "ExpertCache",
+    "FitLosses",
     "block_output",
     "check_rows",
     "differentiable_dispatch",
@@ -62,12 +63,10 @@ HOLDOUT_EVERY = 8
 
 
 @dataclass
-class BlockFitResult:
-    """What one layer's fit did (losses are relative squared errors, see :func:`relative_error`)."""
+class FitLosses:
+    """A layer fit's losses (relative squared errors, :func:`relative_error`) on its fitting
+    and held-out rows, before and after, and the tensors it changed."""
 
-    tokens: int
-    steps: int
-    best_step: int
     loss_before: float
     loss_after: float
     holdout_before: float
@@ -76,6 +75,15 @@ class BlockFitResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class BlockFitResult(FitLosses):
+    """What one layer's gradient fit did."""
+
+    tokens: int
+    steps: int
+    best_step: int
 
 
 def check_rows(
@@ -97,7 +105,9 @@ class ExpertCache:
         self.ids: torch.Tensor | None = None
         self.outs: torch.Tensor | None = None
 
-    def get(self, x: torch.Tensor, ids: torch.Tensor, one_slot) -> torch.Tensor:
+    def get(self, x: torch.Tensor, ids: torch.Tensor, slots) -> torch.Tensor:
+        """``[N, k, h]`` outputs of ``ids``' experts on ``x``; ``slots``:
+        :func:`~.dispatch.slot_outputs` of the layer."""
         with torch.no_grad():
             if self.ids is None or self.ids.shape != ids.shape:
                 rows = torch.arange(ids.shape[0], device=ids.device)
@@ -105,12 +115,7 @@ class ExpertCache:
             else:
                 rows = (self.ids != ids).any(dim=1).nonzero().flatten()
             if rows.numel():
-                sub, sub_ids = x[rows], ids[rows]
-                ones = torch.ones(sub_ids.shape[0], 1, dtype=torch.float32, device=x.device)
-                new = torch.stack(
-                    [one_slot(sub, sub_ids[:, k : k + 1], ones) for k in range(ids.shape[1])],
-                    dim=1,
-                )
+                new = slots(x[rows], ids[rows])
                 if self.outs is None:
                     self.outs = new
                 else:
@@ -123,12 +128,13 @@ class ExpertCache:
 def differentiable_dispatch(layer: MoELayer, cache: ExpertCache | None = None) -> Iterator[None]:
     """Within the context, ``layer.block(x)`` is differentiable in its routing weights.
 
-    The routed experts are called under ``no_grad`` one top-k slot at a time with weight
-    1 (:func:`~.dispatch.one_slot`), and the block gets ``sum_k w_k f_k`` with ``w``
-    carrying gradient. The block's own forward and router run unchanged.
+    The routed experts' outputs of every selected (token, slot) are computed under
+    ``no_grad`` with weight 1 (:func:`~.dispatch.slot_outputs`), and the block gets
+    ``sum_k w_k f_k`` with ``w`` carrying gradient. The block's own forward and router run
+    unchanged.
     """
     cache = cache if cache is not None else ExpertCache()
-    slot = one_slot(layer)
+    slot = slot_outputs(layer)
 
     def dispatch(x, ids, weights):
         outs = cache.get(x, ids, slot)

@@ -298,6 +298,8 @@ class BlockSelectionRecord:
     setup_seconds: float = 0.0  # of ``seconds``: the cache and its Gram matrices
     #: the objective of ``baseline`` (``None``: none given)
     baseline_objective: float | None = None
+    #: the search's own set's objective (``objective`` is the baseline's when it was kept)
+    search_objective: float = 0.0
     #: ``baseline`` was kept: the search found no lower objective
     kept_baseline: bool = False
 
@@ -408,6 +410,7 @@ def select_by_block_error(
             value = float(ev.errors(kept[None]).max())
         record.steps.append({"dropped": sorted(dropped), "objective": value})
     final = ev.errors(kept[None])[0]
+    record.search_objective = float(final.max())
     if baseline is not None:
         base = torch.zeros(E, dtype=torch.bool)
         base[list(baseline)] = True
@@ -415,7 +418,7 @@ def select_by_block_error(
             raise BlockSelectionError(f"{layer.name}: baseline must hold {keep} distinct experts")
         base_errors = ev.errors(base[None])[0]
         record.baseline_objective = float(base_errors.max())
-        if record.baseline_objective <= float(final.max()):
+        if record.baseline_objective <= record.search_objective:
             kept, final, record.kept_baseline = base, base_errors, True
     record.kept = kept.nonzero().flatten().tolist()
     record.objective = float(final.max())

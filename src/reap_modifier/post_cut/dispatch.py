@@ -30,6 +30,7 @@ __all__ = [
     "original_dispatch",
     "routed_dispatch",
     "routed_off",
+    "slot_outputs",
 ]
 
 #: the dispatch shapes the post-cut stages can swap
@@ -74,6 +75,28 @@ def one_slot(layer: MoELayer) -> Callable:
         return lambda x, ids, ones: original(block, x, ids, ones)
     original = layer.experts.forward
     return lambda x, ids, ones: original(x, ids, ones.to(x.dtype))
+
+
+def slot_outputs(layer: MoELayer) -> Callable:
+    """``(x [M, h], ids [M, k]) -> [M, k, h]``: the routed expert output of every (token,
+    slot) with weight 1, as the model's dispatch computes it. Kimi blocks: all slots in one
+    pass over the experts (:func:`~reap_modifier.calibration.kimi_grouped.routed_slot_outputs`:
+    grouped_mm over the layer's stacked experts where it runs, else each expert once on
+    all its rows), not one dispatch per slot (``k`` passes over 896 experts at K3's counts);
+    other kinds: one dispatch call per slot."""
+    if layer.kind == "kimi":
+        from ..calibration.kimi_grouped import routed_slot_outputs, stack_kimi_experts
+
+        block = layer.block
+        stack = stack_kimi_experts(block.experts)
+        return lambda x, ids: routed_slot_outputs(block, x, ids, stack)
+    single = one_slot(layer)
+
+    def per_slot(x, ids):
+        ones = torch.ones(ids.shape[0], 1, dtype=torch.float32, device=x.device)
+        return torch.stack([single(x, ids[:, k : k + 1], ones) for k in range(ids.shape[1])], 1)
+
+    return per_slot
 
 
 def original_dispatch(layer: MoELayer) -> Callable:

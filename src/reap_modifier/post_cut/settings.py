@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 __all__ = [
     "COMPONENTS",
@@ -67,6 +68,9 @@ class PostCutSettings:
     dense_lr: float
     validate: bool = True
     spill_dir: str | None = None
+    #: ``checkpoint_dir``: the rows spilled there and kept, each stage's per-layer result
+    #: written as it finishes (:mod:`.resume`)
+    resume_dir: str | None = None
     #: calibration samples one process would run (all ranks together; ``None``: unknown)
     samples: int | None = None
     #: samples per calibration batch
@@ -97,7 +101,12 @@ class PostCutSettings:
             dense_steps=recipe.compensation_steps,
             dense_lr=recipe.compensation_lr,
             validate=recipe.validate_fit,
-            spill_dir=recipe.fit_spill_dir,
+            spill_dir=recipe.fit_spill_dir
+            if recipe.checkpoint_dir is None
+            else str(Path(recipe.checkpoint_dir) / "post_cut"),
+            resume_dir=None
+            if recipe.checkpoint_dir is None
+            else str(Path(recipe.checkpoint_dir) / "post_cut"),
             selection=recipe.selection,
             selection_candidates=recipe.selection_candidates,
             selection_drops=recipe.selection_drops,

@@ -37,14 +37,17 @@ from pathlib import Path
 import torch
 from loguru import logger
 
-from ..calibration.block_io import BlockIOCapture, join_chunks, row_positions
-from ..calibration.sample_groups import SampleGroups, group_names
-from ..models import MoEArchitecture
+from ..calibration.block_io import BlockIOCapture
+from ..calibration.sample_groups import SampleGroups
+from ..models import MoEArchitecture, MoELayer
 from ..scores.plan import PruningPlan
 from . import ranks
 from .block_fit import read_tensors, write_tensors
 from .components import COMPONENT
-from .selection import choose, select_per_layer
+from .gather import gather
+from .resume import StageLog
+from .rows import RowStore
+from .selection import choose, select_layers, selection_plan
 from .settings import PostCutSettings
 from .validation import HeldOutKL, ValidationSet, keeps
 
@@ -71,8 +74,17 @@ class PostCutStep:
         self.tensors: dict[str, dict[str, torch.Tensor]] = {}
         #: each calibrated sample's group (``selection_groups``)
         self.groups: SampleGroups | None = None
-        self._rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rows = RowStore()
         self._validation: ValidationSet | None = None
+        #: the held-out samples this rank owns (indices into one process's order), and all
+        #: of them: ``(position, inputs, group or None)``
+        self._mine: list[int] = []
+        self._held: list[tuple] = []
+        #: with groups: their names, each owned layer's row group ids, tokens per group
+        self._groups: tuple[list[str], dict[str, torch.Tensor]] | None = None
+        self._group_record: dict | None = None
+        #: each stage's per-layer results on disk (``checkpoint_dir``; else a no-op)
+        self.log = StageLog(None)
 
     def locate_samples(self, located: dict, group, loader=None) -> None:
         """Where this rank's samples stand in one process's order
@@ -93,6 +105,9 @@ class PostCutStep:
         self.group = group
         if group is not None and s.spill_dir is not None:  # one folder per rank
             s.spill_dir = str(Path(s.spill_dir) / f"rank{ranks.rank(group)}")
+        if group is not None and s.resume_dir is not None:
+            s.resume_dir = str(Path(s.resume_dir) / f"rank{ranks.rank(group)}")
+        self.log = StageLog(s.resume_dir)
 
     def make_capture(self, register_hook, model: torch.nn.Module) -> BlockIOCapture:
         s = self.settings
@@ -106,8 +121,17 @@ class PostCutStep:
             position=s.position,
             batch_size=s.batch_size,
             label_of=self.groups.label if self.groups is not None else None,
+            keep_files=s.resume_dir is not None,
         )
         return self.capture
+
+    def restored(self, done: set[str]) -> None:
+        """The calibration checkpoint restored the MoE layers ``done`` (``checkpoint_dir``):
+        their captured rows come from disk; a fresh start (none) forgets every earlier
+        result of this step."""
+        self.capture.resume(done)
+        if not done:
+            self.log.clear()
 
     # -- stages 1-3: rows, reference, selection (on the unpruned model) ---------------
 
@@ -122,106 +146,80 @@ class PostCutStep:
         block_error``) re-choose ``plan``'s experts, ``ranking`` (the cut's saliency)
         ordering the candidates, then keep whichever of the two plans is better end to end
         (:mod:`.selection`); returns the plan to cut, the same on every rank. Call on the
-        unpruned model, then cut, then :meth:`fit`.
+        unpruned model, then cut, then :meth:`fit`; under data parallel every rank calls
+        both, and each works on the layers and held-out samples it owns (:mod:`.ranks`).
 
         :param overlay: makes a packed model computable for the duration of a stage
             (returns an attached object with ``detach``, or ``None``)
         """
-        rows, held, groups = self._gather()
-        if ranks.rank(self.group) != 0:
-            return ranks.share(None, self.group)
-        self._rows = rows
+        gathered = gather(
+            self.capture, self.arch, self.settings, self.group, self.groups is not None
+        )
+        self._rows, self._held, self._mine = gathered.rows, gathered.held, gathered.mine
+        self._groups, self._group_record = gathered.groups, gathered.group_record
         s = self.settings
         with _attached(overlay()):
-            self._validation = self._reference(model, held)
+            self._validation = self._reference(model)
             if s.selection == "block_error":
-                selected, self.selection = select_per_layer(
+                results = self._shared(
+                    "selection",
+                    lambda layers: select_layers(
+                        layers,
+                        plan,
+                        ranking,
+                        self._rows,
+                        candidates=s.selection_candidates,
+                        drops=s.selection_drops,
+                        groups=self._groups,
+                        log=self.log,
+                        index=self.arch.layer_names.index,
+                    ),
+                )
+                selected, self.selection = selection_plan(
                     self.arch,
                     plan,
                     ranking,
-                    rows,
+                    results,
                     candidates=s.selection_candidates,
                     drops=s.selection_drops,
-                    groups=groups,
-                    column=s.selection_groups,
+                    groups=self._group_record,
                 )
-                plan = choose(self.arch, plan, selected, self.selection, model, self._validation)
-        return ranks.share(plan, self.group)
+                kl = (lambda: self._kl(model)) if self._validation is not None else None
+                plan = choose(self.arch, plan, selected, self.selection, kl)
+        return plan
 
-    def _gather(self):
-        """Every rank's rows per layer, held-out samples and (``selection_groups``) the
-        group names and each row's group index per layer, in one process's order; with
-        groups, every group present gets a held-out sample (:meth:`_cover_groups`)."""
-        capture, s = self.capture, self.settings
-        capture.detach()
-        labels = None
-        if self.groups is not None:
-            labels = dict(ranks.gathered(list(capture.labels.items()), self.group))
-            self._cover_groups(capture, labels)
-        rows, positions = {}, {}
-        for n in self.arch.layer_names:
-            chunks = ranks.gathered(capture.chunks(n), self.group)
-            rows[n] = join_chunks(chunks, s.tokens)
-            if labels is not None:
-                positions[n] = row_positions(chunks, s.tokens)
-        held = sorted(ranks.gathered(capture.validation_samples(), self.group), key=lambda h: h[0])
-        if labels is not None:
-            held = [(p, inputs, labels[p]) for p, inputs in held]
-        empty = [n for n, (x, _) in rows.items() if x.shape[0] < 2]
-        if empty:
-            raise RuntimeError(
-                f"the post-cut fit captured no calibration tokens for {empty[0]}: no "
-                "calibration data reached the MoE layers (num_calibration_samples > 0)"
-            )
-        groups = self._row_groups(labels, positions) if ranks.rank(self.group) == 0 else None
-        return rows, held, groups
+    def _owned(self) -> list[MoELayer]:
+        me = ranks.rank(self.group)
+        return [x for i, x in enumerate(self.arch.layers) if ranks.owner(i, self.group) == me]
 
-    def _cover_groups(self, capture: BlockIOCapture, labels: dict[int, str]) -> None:
-        """Hold out, in every group with no held-out sample, its last calibrated sample
-        (the same choice on every rank; each rank moves the samples it calibrated)."""
-        if not self.settings.holdout_every:
-            return
-        held = {p for p, _ in ranks.gathered(capture.validation_samples(), self.group)}
-        covered = {labels[p] for p in held if p in labels}
-        extra = {
-            max(p for p, g in labels.items() if g == group)
-            for group in set(labels.values()) - covered
-        }
-        if extra:
-            logger.info(
-                f"REAP post-cut step: held out {len(extra)} more sample(s) so that every "
-                f"{self.settings.selection_groups} has one ("
-                + ", ".join(sorted(labels[p] for p in extra))
-                + ")"
-            )
-            capture.hold_out(extra)
+    def _shared(self, what: str, work: Callable[[list[MoELayer]], dict]) -> dict:
+        """``work`` on the layers this rank owns, every rank's results merged by layer; a
+        failure on any rank is raised on every rank (no rank is left waiting)."""
+        try:
+            mine, failed = work(self._owned()), None
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+            mine, failed = {}, f"{type(exc).__name__}: {exc}"
+        merged = ranks.exchange(
+            {**mine, "__failed__" + str(ranks.rank(self.group)): failed}, self.group, what
+        )
+        errors = [
+            f"rank {k[10:]}: {v}" for k, v in merged.items() if k.startswith("__failed__") and v
+        ]
+        if errors:
+            raise RuntimeError(f"the post-cut {what} failed ({'; '.join(errors)})")
+        return {k: v for k, v in merged.items() if not k.startswith("__failed__")}
 
-    def _row_groups(self, labels: dict[int, str] | None, positions: dict[str, torch.Tensor]):
-        """``(names, {layer: [N] group index of each captured row})`` from the samples'
-        ``labels`` and each row's sample position (``None`` without groups); warns once
-        when the rows miss a group of the calibration, or hold one only."""
-        if labels is None:
-            return None
-        first = [labels[p] for p in positions[self.arch.layer_names[0]].tolist()]
-        names = group_names(first, set(labels.values()), self.settings.selection_groups)
-        index = {g: i for i, g in enumerate(names)}
-        ids = {
-            n: torch.tensor([index[labels[p]] for p in pos.tolist()], dtype=torch.long)
-            for n, pos in positions.items()
-        }
-        return names, ids
-
-    def _reference(self, model, held) -> ValidationSet | None:
-        """The held-out samples and the unpruned model's distributions on them (``None``:
-        nothing to validate)."""
-        s = self.settings
+    def _reference(self, model) -> ValidationSet | None:
+        """This rank's held-out samples and the unpruned model's distributions on them
+        (``None`` on every rank: nothing to validate)."""
+        s, held = self.settings, self._held
         if not s.components and s.selection != "block_error":
             return None
-        if s.components:
+        if s.components and ranks.rank(self.group) == 0:
             logger.warning(
                 "REAP post-cut fit: the fitted tensors follow the calibration text, and the "
                 "held-out check uses the same text: a language absent from it can get worse "
-                "(fitted on English only, Chinese KL rose 32-43% on the bundled model); "
+                "(fitted on English only, Chinese KL rose 38% on the bundled model); "
                 "calibrate on every language the model serves"
             )
         if not s.validate:
@@ -233,8 +231,6 @@ class PostCutStep:
                 "are kept without an end-to-end check"
             )
             return None
-        groups = [h[2] for h in held] if held and len(held[0]) == 3 else None
-        validation = ValidationSet([h[1] for h in held], groups)
         samples = s.samples or len(held)
         if len(held) / max(samples, 1) > 1 / s.holdout_every + 1e-9 or len(held) < 2:
             logger.warning(
@@ -242,47 +238,56 @@ class PostCutStep:
                 f"({len(held) / max(samples, 1):.0%}): a small calibration gives the held-out "
                 "check few samples and the fits few rows"
             )
+        mine = [held[j] for j in self._mine]
+        groups = [h[2] for h in mine] if held[0][2] is not None else None
+        validation = ValidationSet([h[1] for h in mine], groups)
         validation.record_reference(model)
         return validation
+
+    def _kl(self, model) -> HeldOutKL:
+        """The model's held-out KL on every held-out sample (each rank's joined)."""
+        held = self._held
+        groups = [h[2] for h in held] if held and held[0][2] is not None else None
+        local = self._validation.kl(model)
+        return ranks.joined_kl(local, self._mine, len(held), groups, self.group)
 
     # -- stages 5-6: components and record (on the cut model) ------------------------
 
     def fit(self, model: torch.nn.Module, overlay: Callable[[], object | None]) -> dict:
         """Fit and validate each component on the cut model; returns the record (the same
         on every rank, as are the kept tensors, :attr:`tensors`)."""
-        ranks.barrier(self.group)
-        if ranks.rank(self.group) != 0:
-            self.record, self.tensors = ranks.share(None, self.group)
-            ranks.hold_shared_tensors(self.arch, self.tensors)
-            return self.record
         s = self.settings
-        if not s.components:
-            self.record = {
-                "method": None,
-                "tokens": s.tokens,
-                "components": [],
-                "selection": self.selection,
-                "validation": self._validation_record(None, None),
-                "layers": {},
-            }
-        else:
-            self.record = self._fit_components(model, overlay)
-        self._rows = {}
-        ranks.share((self.record, self.tensors), self.group)
+        try:
+            if not s.components:
+                self.record = {
+                    "method": None,
+                    "tokens": s.tokens,
+                    "components": [],
+                    "selection": self.selection,
+                    "validation": self._validation_record(None, None),
+                    "layers": {},
+                }
+            else:
+                self.record = self._fit_components(model, overlay)
+        finally:
+            self.close()
         return self.record
 
+    def close(self) -> None:
+        """Release the captured rows and remove their spilled files (also on failure)."""
+        self._rows.close()
+
     def _validation_record(self, cut: HeldOutKL | None, final: HeldOutKL | None) -> dict | None:
-        validation, s = self._validation, self.settings
-        if validation is None:
+        if self._validation is None:
             return None
+        s, held = self.settings, self._held
+        groups = [h[2] for h in held] if held[0][2] is not None else None
         return {
             "holdout_every_batch": s.holdout_every,
-            "batches": len(validation.batches),
+            "batches": len(held),
             "samples": s.samples,
-            "tokens": validation.tokens,
-            "groups": None
-            if validation.groups is None
-            else {g: validation.groups.count(g) for g in sorted(set(validation.groups))},
+            "tokens": None if final is None else int(final.tokens.sum()),
+            "groups": None if groups is None else {g: groups.count(g) for g in sorted(set(groups))},
             "kl_cut": None if cut is None else cut.mean,
             "kl_final": None if final is None else final.mean,
         }
@@ -292,7 +297,7 @@ class PostCutStep:
         components, layers = [], {n: {} for n in self.arch.layer_names}
         kept: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.arch.layer_names}
         with _attached(overlay()):
-            now = validation.kl(model) if validation is not None else None
+            now = self._kl(model) if validation is not None else None
             cut = now
             for name in s.components:
                 entry, after = self._component(name, model, now, layers, kept)
@@ -315,23 +320,27 @@ class PostCutStep:
         }
 
     def _component(self, name: str, model, before: HeldOutKL | None, layers, kept):
-        """Fit component ``name`` on every layer, its tensors rounded to the dtype they are
-        saved in; keep it (its tensors join ``kept``, the tensors every kept component
-        changed, by layer) when the held-out KL drops beyond its standard error
-        (:func:`~.validation.keeps`), else put back the state before it, in the model and
-        in ``kept``. Returns the record's entry and the KL after it."""
+        """Fit component ``name`` on every layer (each rank its own, the results shared),
+        its tensors rounded to the dtype they are saved in; keep it (its tensors join
+        ``kept``, the tensors every kept component changed, by layer) when the held-out KL
+        drops beyond its standard error (:func:`~.validation.keeps`), else put back the
+        state before it, in the model and in ``kept``. A failure puts back the state
+        before it too. Returns the record's entry and the KL after it."""
         component = COMPONENT[name]
         saved = {
             layer.name: read_tensors(layer, component.params(layer)) for layer in self.arch.layers
         }
         try:
-            fitted = self._fit_layers(component, layers)
+            results = self._shared(f"{name} fits", lambda owned: self._fit_layers(component, owned))
+            fitted = {n: results[n][0] for n in self.arch.layer_names}
+            ranks.hold_tensors(self.arch, fitted)
         except BaseException:
             for layer in self.arch.layers:  # no half-fitted model is left behind
                 write_tensors(layer, saved[layer.name])
             raise
-        validation = self._validation
-        after = validation.kl(model) if validation is not None else None
+        for n in self.arch.layer_names:
+            layers[n][name] = results[n][1]
+        after = self._kl(model) if self._validation is not None else None
         keep = after is None or keeps(before, after)
         if keep:
             for layer_name, tensors in fitted.items():
@@ -372,24 +381,37 @@ class PostCutStep:
             "tensors": names,
         }, after
 
-    def _fit_layers(self, component, layers) -> dict[str, dict[str, torch.Tensor]]:
-        """Fit ``component`` on every layer and write each layer's tensors, rounded to the
-        dtype they are saved in (:attr:`PostCutSettings.saved_dtype`), so that what is
-        validated is what is saved; returns them (CPU) by layer."""
+    def _fit_layers(self, component, owned: list[MoELayer]) -> dict:
+        """Fit ``component`` on the ``owned`` layers and write each layer's tensors, rounded
+        to the dtype they are saved in (:attr:`PostCutSettings.saved_dtype`), so that what
+        is validated is what is saved; returns ``{layer: (tensors on CPU, record)}``."""
         from compressed_tensors import align_module_device
         from tqdm.auto import tqdm
 
         s, out = self.settings, {}
-        for layer in tqdm(self.arch.layers, desc=f"REAP post-cut fit: {component.name}"):
-            x, y = self._rows[layer.name]
-            with align_module_device(layer.block):
-                device = layer.router.weight.device
-                tensors, rec = component.fit(layer, x.to(device), y.to(device), s)
-            tensors = {n: _as_saved(t, s.saved_dtype, layer.name, n) for n, t in tensors.items()}
+        for layer in tqdm(owned, desc=f"REAP post-cut fit: {component.name}"):
+            done = self.log.load(component.name, layer.name)
+            if done is not None:  # an earlier run fitted it (checkpoint_dir)
+                tensors, rec = done
+            else:
+                x, y = self._rows.rows(layer.name)
+                with align_module_device(layer.block):
+                    device = layer.router.weight.device
+                    tensors, rec = component.fit(layer, x.to(device), y.to(device), s)
+                del x, y
+                tensors = {
+                    n: _as_saved(t, s.saved_dtype, layer.name, n) for n, t in tensors.items()
+                }
+                tensors = {k: v.detach().to("cpu") for k, v in tensors.items()}
+                self.log.save(
+                    component.name,
+                    layer.name,
+                    self.arch.layer_names.index(layer.name),
+                    (tensors, rec),
+                )
             write_tensors(layer, tensors)
             logger.debug(f"REAP post-cut fit {component.name} {layer.name}: {rec}")
-            out[layer.name] = {k: v.detach().to("cpu") for k, v in tensors.items()}
-            layers[layer.name][component.name] = rec
+            out[layer.name] = (tensors, rec)
         return out
 
 

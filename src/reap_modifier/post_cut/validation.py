@@ -10,7 +10,7 @@ from them, a chunk of tokens at a time (:data:`LOGIT_CHUNK_ELEMENTS` logits at o
 the changed model runs with its head disabled (llm-compressor's ``disable_lm_head``): its
 logits come from the head's input the same way. Memory: ``held-out tokens x hidden x dtype
 bytes`` (Kimi K3, 7168 x 2 B: 14 KiB a token) plus a few ``[chunk, vocab]`` float32 blocks
-(~32 MiB each), instead of ``tokens x vocab x 4 B`` (K3: 640 KiB a token). A model that
+(~16 MiB each), instead of ``tokens x vocab x 4 B`` (K3: 640 KiB a token). A model that
 transforms its logits after the head (soft-capping, a logit scale) is judged on the head's
 own logits.
 """
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 __all__ = ["LOGIT_CHUNK_ELEMENTS", "HeldOutKL", "ValidationSet", "keeps"]
 
 #: logits computed at once: tokens per chunk = this // vocabulary size
-LOGIT_CHUNK_ELEMENTS = 1 << 23
+LOGIT_CHUNK_ELEMENTS = 1 << 22
 
 
 @dataclass
@@ -102,7 +102,7 @@ class ValidationSet:
         for batch, ref in zip(self.batches, self._reference, strict=True):
             now = _head_input(model, batch)
             total = torch.zeros((), dtype=torch.float64)
-            with align_module_device(head):
+            with torch.no_grad(), align_module_device(head):
                 step = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
                 for i in range(0, now.shape[0], step):
                     r = _log_probs(head, ref[i : i + step].to(now.device))
