@@ -11,13 +11,13 @@ tokenizer. Calibration on random token ids.
 The stages, each in its own process (its peak RSS from ``wait4``; inside ``oneshot`` the
 sub-stages are timed and their RSS high-water sampled every 20 ms):
 
-1. ``calibrate+checkpoint_dir``: REAP with ``checkpoint_dir`` (the resumable calibration),
-   scores and plan written;
-2. ``post_cut``: REAP with ``selection: block_error``, ``calibrate_router``,
-   ``calibrate_bias``, ``compensate``, ``validate_fit`` and the save (``output_dir``). The
-   recipe refuses ``checkpoint_dir`` together with the post-cut fields, so these are two
-   configurations (``--together`` tries them in one and reports the refusal);
-3. ``reap prune`` of the MXFP4 source with the post-cut run's plan;
+1. ``reap``: REAP alone with ``checkpoint_dir`` (the resumable calibration): the baseline
+   the post-cut step's memory is compared with;
+2. ``together``: the whole recipe in one ``oneshot``: REAP with ``checkpoint_dir``,
+   ``selection: block_error``, ``calibrate_router``, ``calibrate_bias``, ``compensate``,
+   ``validate_fit`` and the save (``output_dir``); ``--separate`` also runs the post-cut
+   fields without ``checkpoint_dir`` (``post_cut``);
+3. ``reap prune`` of the MXFP4 source with the whole recipe's plan;
 4. ``reap verify --source`` of both outputs.
 
 ``--sweep`` then reruns the stages at three sizes of each of tokens, MoE layers, experts
@@ -212,7 +212,7 @@ def wrap(owner, attr: str, clock: PhaseClock, name, then: str | None = None) -> 
 def instrument(clock: PhaseClock) -> None:
     """Phase marks on the modifier and the post-cut step (this process only)."""
     from reap_modifier import modifier as modifier_module
-    from reap_modifier.post_cut import selection, step, validation
+    from reap_modifier.post_cut import step, validation
 
     def init(original):
         def on_initialize(self, state, **kwargs):
@@ -223,9 +223,9 @@ def instrument(clock: PhaseClock) -> None:
 
     cls = modifier_module.REAPPruningModifier
     cls.on_initialize = init(cls.on_initialize)
-    wrap(step.PostCutStep, "_gather", clock, "post-cut: gather rows")
+    wrap(step, "gather", clock, "post-cut: gather rows")
     wrap(validation.ValidationSet, "record_reference", clock, "post-cut: held-out reference")
-    wrap(step, "select_per_layer", clock, "post-cut: block-error selection")
+    wrap(step, "select_layers", clock, "post-cut: block-error selection")
     wrap(step, "choose", clock, "post-cut: selection vs REAP's cut (held-out)")
     wrap(step.PostCutStep, "choose", clock, "post-cut: choose", then="cut")
     wrap(step.PostCutStep, "fit", clock, "cut", then="save")
@@ -233,10 +233,9 @@ def instrument(clock: PhaseClock) -> None:
         step.PostCutStep,
         "_fit_layers",
         clock,
-        lambda self, component, layers: f"post-cut: fit {component.name}",
+        lambda self, component, *args, **kwargs: f"post-cut: fit {component.name}",
     )
     wrap(validation.ValidationSet, "kl", clock, "post-cut: held-out KL")
-    del selection
 
 
 def word_tokenizer(vocab: int):
@@ -394,7 +393,7 @@ def build_model(size: Size, cache: Path) -> tuple[Path, float, dict]:
 
 
 def run_recipe(
-    size: Size, work: Path, cache: Path, threads: int, together: bool, lean: bool = False
+    size: Size, work: Path, cache: Path, threads: int, separate: bool, lean: bool = False
 ) -> dict:
     """Every stage of the recipe on one size; returns each stage's record (``lean``: the
     post-cut process and ``reap prune`` only, for the sweep)."""
@@ -409,7 +408,9 @@ def run_recipe(
     }
     base = ["--size", json.dumps(asdict(size)), "--work", str(work), "--model", str(model)]
     base += ["--threads", str(threads)]
-    modes = (["post_cut"] if lean else ["reap", "post_cut"]) + (["together"] if together else [])
+    modes = ["together"] if lean else ["reap", "together"]
+    if separate:  # the post-cut fields without checkpoint_dir, in their own run
+        modes.append("post_cut")
     progress = tqdm(
         total=len(modes) + (1 if lean else 3), desc=f"k3-counts {size.model_key()} T{size.tokens}"
     )
@@ -419,7 +420,7 @@ def run_recipe(
             ["--child", "oneshot", "--mode", mode, *base], work / f"{mode}.log", threads
         )
         progress.update()
-    post = stages["post_cut"]
+    post = stages["together"]
     if "reap" in stages:
         stages["reap"]["disk_bytes"] = stages["reap"].get("checkpoint_dir_peak_bytes", 0)
     if post.get("error") is None and post.get("returncode") == 0:
@@ -429,7 +430,7 @@ def run_recipe(
         cli = [
             ("reap prune", ["prune", str(model), "--plan", post["plan"], "--out", str(pruned)]),
             ("reap verify (prune)", ["verify", str(pruned), "--source", str(model)]),
-            ("reap verify (post_cut save)", ["verify", str(out), "--source", str(model)]),
+            ("reap verify (oneshot save)", ["verify", str(out), "--source", str(model)]),
         ]
         for name, argv in cli[:1] if lean else cli:
             progress.set_postfix_str(name)
@@ -489,16 +490,16 @@ def markdown_table(rows: list[dict]) -> str:
 
 #: the sweep's axes: the Size fields each changes, at three sizes (the middle is the base)
 AXES = {
-    "tokens": [
-        dict(samples=8, fit_tokens=512),
-        dict(samples=16, fit_tokens=1024),
-        dict(samples=32, fit_tokens=2048),
-    ],
     "layers": [dict(moe_layers=1), dict(moe_layers=2), dict(moe_layers=4)],
     "experts": [
         dict(experts=224, keep=112),
         dict(experts=448, keep=224),
         dict(experts=896, keep=448),
+    ],
+    "tokens": [
+        dict(samples=8, fit_tokens=512),
+        dict(samples=16, fit_tokens=1024),
+        dict(samples=32, fit_tokens=2048),
     ],
     "vocab": [dict(vocab=40960), dict(vocab=81920), dict(vocab=163840)],
 }
@@ -815,7 +816,9 @@ def parse_args(argv=None):
     p.add_argument("--work", default="/tmp/reap-k3-counts", help="scratch folder (removed per run)")
     p.add_argument("--cache", default=None, help="synthetic checkpoints (default: WORK/models)")
     p.add_argument("--out", default=None, help="JSON file of every measurement")
-    p.add_argument("--together", action="store_true", help="also try checkpoint_dir + post-cut")
+    p.add_argument(
+        "--separate", action="store_true", help="also the post-cut fields without checkpoint_dir"
+    )
     p.add_argument(
         "--sweep", action="store_true", help="three sizes per axis, slopes, extrapolation"
     )
@@ -842,7 +845,7 @@ def main(argv=None) -> None:
     if args.sweep:
         report.update(sweep(size, work, cache, args.threads, args.axes.split(",")))
     else:
-        run = run_recipe(size, work / "run", cache, args.threads, args.together)
+        run = run_recipe(size, work / "run", cache, args.threads, args.separate)
         report["run"] = run
         report["rows"] = stage_rows(run)
         print(f"\n## The whole recipe at {size.model_key()}, {size.samples} x {size.seq} tokens\n")

@@ -1,11 +1,11 @@
 """The whole recipe at Kimi K3's counts, cut down for CI: K3's vocabulary (163,840) and
 expert counts (896 routed, top-16, one shared) on 3 MoE layers with tiny widths, the
-routed experts MXFP4 on disk. ``oneshot`` runs REAP with the block-error selection, the
-router, bias and dense fits and the held-out validation, saves, and ``reap verify
---source`` passes; every layer keeps 448 experts, and the post-cut step's memory over
-REAP alone stays bounded (allocations counted by an independent probe). The full 92-layer
-run, timed per stage, is ``benchmarks/k3_counts.py``."""
-
+routed experts MXFP4 on disk. ``oneshot`` runs REAP with ``checkpoint_dir``, the
+block-error selection, the router, bias and dense fits and the held-out validation, and
+saves; ``reap verify --source`` passes; every layer keeps 448 experts; the held-out
+check's vocabulary-wide tensors and what the post-cut step allocates stay bounded
+(counted by an independent probe). The full 92-layer run, timed per stage, is
+``benchmarks/k3_counts.py``."""
 from __future__ import annotations
 
 import json
@@ -89,6 +89,7 @@ def test_whole_recipe_at_k3_counts(source, tmp_path, monkeypatch):
         source,
         out,
         monkeypatch,
+        checkpoint_dir=str(tmp_path / "calibration-checkpoint"),
         selection="block_error",
         selection_candidates=16,
         selection_drops=64,
