@@ -6,6 +6,7 @@ saves; ``reap verify --source`` passes; every layer keeps 448 experts; the held-
 check's vocabulary-wide tensors and what the post-cut step allocates stay bounded
 (counted by an independent probe). The full 92-layer run, timed per stage, is
 ``benchmarks/k3_counts.py``."""
+
 from __future__ import annotations
 
 import json
