@@ -732,15 +732,15 @@ def extrapolate(centre: Size, rows: list[dict], fits: dict, ranks: int = 8) -> d
     held = t["samples"] * t["seq"] * HELD_OUT
     memory = {
         "calibration, one layer onloaded (benchmarks/k3_scale.py model, seq 2048)": None,
-        "post-cut rows, all 92 layers in memory (float32 in + out)": 2
+        "post-cut rows, one layer (bf16 in + out)": 2 * fit * hidden * 2,
+        "post-cut rows, all 92 layers (on disk with checkpoint_dir)": 2
         * fit
         * hidden
-        * 4
+        * 2
         * t["moe_layers"],
-        "post-cut rows, one layer (fit_spill_dir reading one layer)": 2 * fit * hidden * 4,
-        "held-out reference (LM-head inputs, float32)": held * hidden * 4,
-        "held-out KL, one sample's logits (float32)": t["seq"] * t["vocab"] * 4,
-        "selection, one layer's expert contributions (fit tokens x top-k x latent, float32)": fit
+        "held-out reference, all ranks (LM-head inputs, bf16)": held * hidden * 2,
+        "held-out KL, logits (16 MiB blocks, a handful alive)": 6 * 16 * 2**20,
+        "selection, one layer's kept-expert contributions (fit tokens x top-k x latent, f32)": fit
         * t["top_k"]
         * t["latent"]
         * 4,
@@ -755,6 +755,11 @@ def extrapolate(centre: Size, rows: list[dict], fits: dict, ranks: int = 8) -> d
         "MXFP4 source (read by every stage that loads it)": nbytes["source"],
         "pruned output (reap prune or the post-cut save)": nbytes["pruned"],
         "checkpoint_dir, one layer's inputs, per rank": nbytes["hidden_states_per_layer"] / ranks,
+        "checkpoint_dir, post-cut rows of all layers (bf16), all ranks": 2
+        * t["fit_tokens"]
+        * t["hidden"]
+        * 2
+        * t["moe_layers"],
     }
     return {
         "ranks": ranks,

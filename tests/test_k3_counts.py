@@ -34,9 +34,9 @@ SHAPE = K3Shape(
 )
 #: 32 samples in batches of one: every 8th held out, 4 held-out samples of 96 tokens
 SAMPLES, SEQ = 32, 96
-#: the held-out check's promise: logits a chunk of 2**23 at a time (float32, 32 MiB), a
-#: bounded number of such tensors alive (measured: 5.3, the head's output, both models'
-#: log-probabilities, exp, difference, product), whatever the number of held-out tokens
+#: the held-out check's promise: logits in bounded chunks (16 MiB blocks), a handful alive
+#: at once (before the chunking, 5.3 blocks of 32 MiB were measured), whatever the number
+#: of held-out tokens; their full-vocabulary log-probabilities alone would exceed it
 WIDE_BOUND = 6 * (1 << 23) * 4
 MIB = 1 << 20
 
