@@ -524,7 +524,9 @@ def slope(xs: list[float], ys: list[float]) -> float | None:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / den
 
 
-def sweep(base: Size, work: Path, cache: Path, threads: int, axes: list[str]) -> dict:
+def sweep(
+    base: Size, work: Path, cache: Path, threads: int, axes: list[str], cached: bool = False
+) -> dict:
     """Every stage at three sizes of each of ``axes`` (the base in the middle); the slopes
     (an axis not swept gets no slope, and the extrapolation does not grow with it)."""
     runs: dict[str, dict] = {}
@@ -543,6 +545,8 @@ def sweep(base: Size, work: Path, cache: Path, threads: int, axes: list[str]) ->
                 pass
             elif done.is_file():  # a rerun of the sweep reuses the sizes it measured
                 runs[key] = json.loads(done.read_text())
+            elif cached:  # --cached: the sizes measured so far, no new run
+                continue
             else:
                 runs[key] = run_recipe(
                     size, work / f"sweep-{len(runs)}", cache, threads, False, lean=True
@@ -557,6 +561,8 @@ def sweep(base: Size, work: Path, cache: Path, threads: int, axes: list[str]) ->
     for stage in stages:
         fits[stage] = {}
         for axis, pts in points.items():
+            if len(pts) < 2:
+                continue
             xs = [axis_value(size, axis) for _, size in pts]
             for metric in ("seconds", "peak_rss_gib", "disk_gib"):
                 ys = [
@@ -589,7 +595,7 @@ def growth_table(rows: list[dict], fits: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        sl = fits[r["stage"]]["seconds"]
+        sl = fits[r["stage"]].get("seconds", {})
         cells = [
             "" if a not in sl or sl[a]["slope"] is None else f"{sl[a]['slope']:.2f}" for a in AXES
         ]
@@ -690,7 +696,7 @@ def extrapolate(centre: Size, rows: list[dict], fits: dict, ranks: int = 8) -> d
         if base is None or stage.endswith("(process)") or stage == "build checkpoint":
             continue
         grow = 1.0
-        slopes = fits[stage]["seconds"]
+        slopes = fits[stage].get("seconds", {})
         for axis in slopes:
             sl = slopes[axis]["slope"]
             sl = min(max(sl or 0.0, 0.0), 2.0)
@@ -828,6 +834,9 @@ def parse_args(argv=None):
         "--sweep", action="store_true", help="three sizes per axis, slopes, extrapolation"
     )
     p.add_argument("--axes", default=",".join(AXES), help="the sweep's axes (default: all four)")
+    p.add_argument(
+        "--cached", action="store_true", help="the sweep from the sizes already measured only"
+    )
     p.add_argument("--child", choices=["oneshot", "cli"], help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--size", help=argparse.SUPPRESS)
@@ -848,7 +857,7 @@ def main(argv=None) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     report: dict = {"argv": sys.argv[1:], "threads": args.threads}
     if args.sweep:
-        report.update(sweep(size, work, cache, args.threads, args.axes.split(",")))
+        report.update(sweep(size, work, cache, args.threads, args.axes.split(","), args.cached))
     else:
         run = run_recipe(size, work / "run", cache, args.threads, args.separate)
         report["run"] = run
