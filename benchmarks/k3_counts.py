@@ -721,7 +721,9 @@ def extrapolate(centre: Size, rows: list[dict], fits: dict, ranks: int = 8) -> d
             io = 2 * nbytes["pruned"] / (DISK_GBS * 1e9)
         elif stage.endswith(": load"):
             io = nbytes["source"] / (DISK_GBS * 1e9)
-        calib = kind in ("calibrate",)
+        # calibration splits the samples; the post-cut step the layers (layer i on rank
+        # i mod W) and the held-out samples; loading, the save and the CLI do not split
+        calib = not stage.endswith((": load", ": save")) and ": " in stage
         out.append(
             {
                 "stage": stage,
@@ -796,8 +798,9 @@ def extrapolation_text(extra: dict) -> str:
         "counts term: the time measured here at tiny widths (per-expert and per-token "
         "overhead, one CPU thread), grown by the fitted slopes to K3's counts and tokens; "
         "GPU term: the stage's FLOPs at K3's widths at the assumed GPU rate, plus its bytes "
-        "at the assumed disk rate. Calibration is split over the ranks; the post-cut step "
-        "runs on the first rank.\n",
+        "at the assumed disk rate. Calibration (by samples) and the post-cut step (by layers "
+        "and held-out samples) are split over the ranks; loading, the save, prune and verify "
+        "are not.\n",
         "| stage | measured s (tiny) | counts term, CPU h/rank | GPU FLOPs s | disk s "
         "| GPU + disk h/rank |",
         "|---|---:|---:|---:|---:|---:|",
