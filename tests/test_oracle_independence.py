@@ -24,6 +24,7 @@ ORACLE_MODULES = {
     "generic_oracle": "masked routing of any family",
     "family_routing": "the hand-written router / bias table of the masked-routing oracle",
     "memory_probe": "which tensors are alive at once (the memory tests' measure)",
+    "gguf_oracle": "safetensors pruned by hand and converted by llama.cpp's converter",
 }
 #: reference functions in modules that also build inputs with the product
 ORACLE_FUNCTIONS = {
@@ -42,6 +43,7 @@ INPUT_BUILDERS = {
     "eval_models": "tiny checkpoints for reap eval, pruned by the rewriter",
     "family_flow": "runs the product's flow; its expected logits come from generic_oracle",
     "family_zoo": "tiny models of every family from transformers' configs",
+    "gguf_synth": "synthetic GGUF models and importance matrices (the gguf package's writer)",
     "k3_mxfp4_synth": "synthetic K3-shaped MXFP4 checkpoints",
     "scores_synth": "synthetic scores files (the product's container, filled by index_add)",
     "tiny_models": "tiny deterministic models",
