@@ -23,6 +23,7 @@ __all__ = [
     "RawField",
     "inspect_gguf",
     "read_part",
+    "gguf_model_file",
     "is_gguf",
     "split_parts",
 ]
@@ -32,12 +33,27 @@ SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 #: a tensor of one layer: ``blk.<L>.<rest>``
 BLOCK_RE = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<rest>.+)$")
 DEFAULT_ALIGNMENT = 32
+#: array keys whose values are read (the provenance keys); others (vocabularies) stay raw
+_READ_ARRAYS = ("reap.",)
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
-    """Whether ``path`` names a GGUF file (by its suffix; the prune and verify commands
-    dispatch on it)."""
-    return Path(path).suffix.lower() == ".gguf"
+    """Whether ``path`` names a GGUF model (the prune and verify commands dispatch on it): a
+    ``.gguf`` file, or a directory holding the parts of a split model."""
+    return gguf_model_file(path) is not None
+
+
+def gguf_model_file(path: str | os.PathLike) -> Path | None:
+    """The file to open for the GGUF model at ``path``: the ``.gguf`` file itself, or the
+    first part of the split model a directory holds (and no ``config.json``); else ``None``."""
+    path = Path(path)
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        firsts = sorted(p for p in path.glob("*-00001-of-*.gguf") if SPLIT_RE.match(p.name))
+        if len(firsts) == 1:
+            return firsts[0]
+    return None
 
 
 @dataclass(frozen=True)
@@ -194,7 +210,7 @@ def read_part(path: Path) -> GGUFPart:
                 key=f.name,
                 types=tuple(int(t) for t in f.types),
                 raw=bytes(data[f.offset : end]),
-                value=f.contents() if single else None,
+                value=f.contents() if single or f.name.startswith(_READ_ARRAYS) else None,
             )
         )
     tensors = [
@@ -222,9 +238,9 @@ def inspect_gguf(path: str | os.PathLike) -> GGUFLayout:
 
     :raises GGUFError: not a readable GGUF, a split part missing, no architecture key
     """
-    path = Path(path)
+    path = gguf_model_file(path) or Path(path)
     if not path.is_file():
-        raise GGUFError(f"{path} does not exist or is not a file; give the .gguf file to prune")
+        raise GGUFError(f"{path} does not exist or is not a file; give the .gguf file")
     parts = [read_part(p) for p in split_parts(path)]
     first = parts[0]
     values = {f.key: f.value for f in first.fields if f.value is not None}

@@ -1,0 +1,135 @@
+"""``reap prune`` / ``reap verify`` on GGUF files through the CLI: exit codes, one-line
+errors with nothing written, and verify's slab-by-slab comparison with the source, which
+fails on one changed byte of a kept expert, a changed key, or a file from another source."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from badinput import cli as run_cli
+from gguf_oracle import field_values
+from gguf_synth import write_imatrix, write_moe
+
+KEPT = {"model.layers.0.mlp": [0, 3, 5, 6], "model.layers.1.mlp": [1, 2, 4, 7]}
+
+
+@pytest.fixture
+def pruned(tmp_path):
+    src = write_moe(tmp_path / "src.gguf", expert_type="Q4_K")
+    plan = tmp_path / "plan.json"
+    plan.write_text(
+        json.dumps({"format": "reap-plan", "version": 1, "num_experts": 8, "kept": KEPT})
+    )
+    out = tmp_path / "out.gguf"
+    res = run_cli("prune", src, "--plan", plan, "-o", out, "-q")
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip().endswith("out.gguf")
+    return src, out, plan
+
+
+def test_verify_ok_against_the_source(pruned):
+    src, out, _ = pruned
+    res = run_cli("verify", out, "--source", src, "-q")
+    assert res.exit_code == 0, res.output
+    assert "OK (2 MoE layers x 4 experts" in res.stdout
+    assert "sha256-equal to the source" in res.stdout
+    res = run_cli("verify", out, "-q")
+    assert res.exit_code == 0, res.output
+
+
+def _flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_verify_fails_on_a_changed_kept_slab(pruned):
+    import gguf
+
+    src, out, _ = pruned
+    t = next(t for t in gguf.GGUFReader(out).tensors if t.name == "blk.1.ffn_down_exps.weight")
+    _flip(out, int(t.data_offset) + int(t.n_bytes) - 1)  # the last kept expert's last byte
+    res = run_cli("verify", out, "--source", src, "-q")
+    assert res.exit_code == 1
+    assert (
+        "blk.1.ffn_down_exps.weight: sha256 differs from the source's (its kept experts' slabs)"
+        in res.output
+    )
+
+
+def test_verify_fails_on_another_source(pruned, tmp_path):
+    _, out, _ = pruned
+    other = write_moe(tmp_path / "other.gguf", expert_type="Q4_K", seed=7)
+    res = run_cli("verify", out, "--source", other, "-q")
+    assert res.exit_code == 1
+    assert "sha256 differs" in res.output
+
+
+def test_verify_fails_on_a_changed_key(pruned, tmp_path):
+    src, out, _ = pruned
+    data = out.read_bytes()
+    # the embedding length (256) written as 255: same size, another value
+    key = b"deepseek2.embedding_length"
+    at = data.index(key) + len(key) + 4
+    assert data[at : at + 4] == (256).to_bytes(4, "little")
+    out.write_bytes(data[:at] + (255).to_bytes(4, "little") + data[at + 4 :])
+    res = run_cli("verify", out, "--source", src, "-q")
+    assert res.exit_code == 1
+    assert "key deepseek2.embedding_length differs from the source" in res.output
+
+
+def test_verify_without_provenance_checks_shapes_only(tmp_path, pruned):
+    src, _, plan = pruned
+    bare = tmp_path / "bare.gguf"
+    assert run_cli("prune", src, "--plan", plan, "-o", bare, "--no-provenance", "-q").exit_code == 0
+    assert not any(k.startswith("reap.") for k in field_values(bare))
+    res = run_cli("verify", bare, "-q")
+    assert res.exit_code == 0 and "checked its shapes only" in res.output
+    res = run_cli("verify", bare, "--source", src, "-q")
+    assert res.exit_code == 1 and "cannot be compared" in res.output
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--keep", "4"], "--keep / --sparsity / --divisible-by cut a plan from --scores"),
+        (["--no-hash-source"], "--no-hash-source apply to safetensors checkpoints"),
+        (["--imatrix", "x.gguf"], "give both --imatrix"),
+        (["--extra-layers", "nope"], "--extra-layers must be"),
+    ],
+)
+def test_cli_bad_input_exits_2_and_writes_nothing(pruned, tmp_path, extra, message):
+    src, _, plan = pruned
+    before = sorted(p.name for p in tmp_path.iterdir())
+    res = run_cli("prune", src, "--plan", plan, "-o", tmp_path / "new.gguf", *extra)
+    assert res.exit_code == 2, res.output
+    assert message in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_cli_refuses_keep_below_top_k_from_a_plan(tmp_path):
+    src = write_moe(tmp_path / "src.gguf", used=4)
+    plan = tmp_path / "plan.json"
+    kept = {"model.layers.0.mlp": [0, 1], "model.layers.1.mlp": [0, 1]}
+    plan.write_text(
+        json.dumps({"format": "reap-plan", "version": 1, "num_experts": 8, "kept": kept})
+    )
+    res = run_cli("prune", src, "--plan", plan, "-o", tmp_path / "o.gguf")
+    assert res.exit_code == 2
+    assert "keep at least 4" in res.output
+    assert not (tmp_path / "o.gguf").exists()
+
+
+def test_cli_imatrix_and_output_name(pruned, tmp_path):
+    src, _, plan = pruned
+    imx = write_imatrix(tmp_path / "imatrix.gguf")
+    res = run_cli("prune", src, "--plan", plan, "-o", tmp_path / "o.bin", "-q")
+    assert res.exit_code == 2 and "give the output a .gguf name" in res.output
+    res = run_cli(
+        "prune", src, "--plan", plan, "-o", tmp_path / "p.gguf", "--imatrix", imx,
+        "--imatrix-out", tmp_path / "p.imatrix.gguf", "-q",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "p.imatrix.gguf").is_file()
+    assert not [p for p in tmp_path.iterdir() if ".reap-" in p.name]
