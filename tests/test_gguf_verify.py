@@ -133,3 +133,42 @@ def test_cli_imatrix_and_output_name(pruned, tmp_path):
     assert res.exit_code == 0, res.output
     assert (tmp_path / "p.imatrix.gguf").is_file()
     assert not [p for p in tmp_path.iterdir() if ".reap-" in p.name]
+
+
+def test_scores_cut_against_the_gguf(tmp_path):
+    from scores_synth import from_saliency
+
+    src = write_moe(tmp_path / "src.gguf", used=2, groups=(2, 1))
+    saliency = {
+        "model.layers.0.mlp": [8, 1, 7, 2, 6, 3, 5, 4],
+        "model.layers.1.mlp": [1, 2, 3, 4, 5, 6, 7, 8],
+    }
+    scores = from_saliency(saliency, metadata={"top_k": 2}).save(tmp_path / "scores.safetensors")
+    res = run_cli(
+        "prune", src, "--scores", scores, "--keep", "4", "-o", tmp_path / "o.gguf",
+        "--save-plan", tmp_path / "plan.json", "-q",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    values = field_values(tmp_path / "o.gguf")
+    # two groups of 4 (expert_group_count = 2): the two best of each group
+    assert values["reap.kept_experts.0"] == [0, 2, 4, 6]
+    assert values["reap.kept_experts.1"] == [2, 3, 6, 7]
+    assert json.loads((tmp_path / "plan.json").read_text())["kept"]["model.layers.1.mlp"] == [
+        2,
+        3,
+        6,
+        7,
+    ]
+    wrong = from_saliency({"model.layers.0.mlp": [1.0] * 16}, metadata={"top_k": 2})
+    wrong.save(tmp_path / "wrong.safetensors")
+    res = run_cli(
+        "prune",
+        src,
+        "--scores",
+        tmp_path / "wrong.safetensors",
+        "--keep",
+        "4",
+        "-o",
+        tmp_path / "w.gguf",
+    )
+    assert res.exit_code == 2 and "16" in res.output and not (tmp_path / "w.gguf").exists()
