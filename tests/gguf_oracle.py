@@ -43,6 +43,18 @@ def converter_available() -> bool:
     return (CONVERTER / "convert_hf_to_gguf.py").is_file()
 
 
+def require_converter() -> None:
+    """Skip the calling test without the converter (fail where CI requires it)."""
+    import pytest
+
+    if converter_available():
+        return
+    why = "llama.cpp's converter is missing: run scripts/llama_cpp_converter.sh"
+    if os.environ.get("REAP_REQUIRE_GGUF_CONVERTER"):
+        pytest.fail(why)
+    pytest.skip(why)
+
+
 def prune_safetensors(src: Path, dst: Path, kept: dict[int, list[int]]) -> None:
     """Copy the saved model ``src`` to ``dst`` keeping, in layer ``L``, the experts
     ``kept[L]`` (ascending; new id = position)."""

@@ -8,7 +8,6 @@ sets ``REAP_REQUIRE_GGUF_CONVERTER=1``, so they fail rather than skip in CI)."""
 
 from __future__ import annotations
 
-import os
 import re
 
 import numpy as np
@@ -16,9 +15,9 @@ import pytest
 import torch
 from gguf_oracle import (
     convert,
-    converter_available,
     field_values,
     prune_safetensors,
+    require_converter,
     tensor_bytes,
 )
 from gguf_synth import write_imatrix, write_moe
@@ -46,10 +45,7 @@ def plan_for(kept: dict[int, list[int]], n: int) -> PruningPlan:
 
 @pytest.fixture(scope="module")
 def converter():
-    if not converter_available():
-        if os.environ.get("REAP_REQUIRE_GGUF_CONVERTER"):
-            pytest.fail("llama.cpp's converter is missing: run scripts/llama_cpp_converter.sh")
-        pytest.skip("llama.cpp's converter is missing: run scripts/llama_cpp_converter.sh")
+    require_converter()
 
 
 @pytest.fixture(scope="module")
