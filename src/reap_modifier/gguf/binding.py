@@ -109,7 +109,7 @@ def bind_gguf_plan(
             f"{layout.path}: no {layout.key('expert_count')} key; it is not a MoE model"
         )
     layers = moe_layers(layout)
-    _refuse_hash_routing(layout, layers)
+    _refuse_hash_routing(layout)
     if plan.num_experts != n:
         raise GGUFError(
             f"the plan is for {plan.num_experts} experts per layer but {layout.path} has {n}; "
@@ -145,7 +145,7 @@ def bind_gguf_plan(
     )
 
 
-def _refuse_hash_routing(layout: GGUFLayout, layers: dict[int, list[str]]) -> None:
+def _refuse_hash_routing(layout: GGUFLayout) -> None:
     hashed = sorted(n for n in layout.tensors if HASH_ROUTED_RE.search(n))
     if hashed:
         raise GGUFError(
