@@ -7,6 +7,7 @@ expert's slab copied verbatim, byte-identical to converting the pruned safetenso
 - :mod:`.provenance`: the keys that change and the ``reap.*`` keys written;
 - :mod:`.writer`: the streaming writer (kernel copies of byte ranges);
 - :mod:`.imatrix`: an importance matrix sliced like its model;
+- :mod:`.routers`: router rows of a GGUF for the calibration-free baselines;
 - :mod:`.rewrite`: ``prepare_gguf_rewrite`` checks once, ``GGUFRewriteJob.run`` writes;
 - :mod:`.verify`: a pruned file against its source, slab by slab.
 """
