@@ -191,3 +191,40 @@ def test_gguf_commands_import_no_model_code(tmp_path, pruned):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.stdout.strip().splitlines()[-1] == "[]", res.stdout + res.stderr[-2000:]
     assert (tmp_path / "x.gguf").is_file()
+
+
+@pytest.mark.parametrize("where", ["mid-write", "before-rename"])
+def test_interrupt_leaves_nothing_and_keeps_the_previous_output(
+    pruned, tmp_path, monkeypatch, where
+):
+    """Ctrl-C while writing (or with the output complete, before the rename) exits 130;
+    the previous output is untouched and no temporary file is left."""
+    import reap_modifier.gguf.rewrite as rewrite
+
+    src, _, plan = pruned
+    dst = tmp_path / "again.gguf"
+    dst.write_bytes(b"previous output")
+    if where == "mid-write":
+        real = rewrite.write_part  # the first kernel copy done, then Ctrl-C
+
+        def write_part(out, source, version, fields, tensors, align, progress=None):
+            return real(out, source, version, fields, tensors, align, _raise)
+
+        monkeypatch.setattr(rewrite, "write_part", write_part)
+    else:
+
+        def pause_point(point, index=None):
+            if point == "rename":
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(rewrite, "pause_point", pause_point)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    res = run_cli("prune", src, "--plan", plan, "-o", dst, "--force", "-q")
+    assert res.exit_code == 130, res.output
+    assert "interrupted" in res.output
+    assert dst.read_bytes() == b"previous output"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def _raise(n):
+    raise KeyboardInterrupt
