@@ -25,6 +25,7 @@ ORACLE_MODULES = {
     "family_routing": "the hand-written router / bias table of the masked-routing oracle",
     "memory_probe": "which tensors are alive at once (the memory tests' measure)",
     "gguf_oracle": "safetensors pruned by hand and converted by llama.cpp's converter",
+    "llama_cpp_probe": "a GGUF's logits in llama.cpp (run by the Python that has llama-cpp-python)",
 }
 #: reference functions in modules that also build inputs with the product
 ORACLE_FUNCTIONS = {
