@@ -24,6 +24,7 @@ from gguf_synth import write_imatrix, write_moe
 
 from reap_modifier.checkpoint import CheckpointError
 from reap_modifier.gguf import GGUFError, prepare_gguf_rewrite
+from reap_modifier.gguf.verify import verify_gguf
 from reap_modifier.scores.plan import PruningPlan
 
 KEPT = {
@@ -122,6 +123,14 @@ def test_split_files_byte_identical(saved, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == parts
     for name in parts:
         assert (out / name).read_bytes() == (tmp_path / "expected" / name).read_bytes(), name
+    # with provenance (first part only), verified part by part against the source
+    out2 = tmp_path / "out2"
+    prepare_gguf_rewrite(first, plan_for(KEPT["qwen3_moe"], 16), out2, progress=False).run()
+    assert "reap.source_expert_count" in field_values(out2 / parts[0])
+    assert not any(k.startswith("reap.") for k in field_values(out2 / parts[1]))
+    report = verify_gguf(out2, source=first)
+    assert report.ok, report.summary()
+    assert report.info["tensors_matching_source"] == sum(len(tensor_bytes(out / p)) for p in parts)
 
 
 # ---------------------------------------------------------------------------
