@@ -1,20 +1,22 @@
 """A GGUF part written streaming: its header (the key/value fields, unchanged ones as their
 source bytes, then the tensor infos with offsets laid out as llama.cpp's writer lays them),
 then each tensor's data as byte ranges of the source file, copied by the kernel
-(``os.copy_file_range``) where it can, with the same zero padding to the alignment.
+(:func:`reap_modifier.checkpoint.byte_copy.copy_range`) where it can, with the same zero
+padding to the alignment.
 
 Memory stays at one I/O buffer whatever the tensor sizes; nothing is dequantized."""
 
 from __future__ import annotations
 
-import errno
 import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["OutTensor", "copy_ranges", "encode_field", "header_bytes", "write_part"]
+from ..checkpoint.byte_copy import copy_range
+
+__all__ = ["OutTensor", "encode_field", "header_bytes", "write_part"]
 
 GGUF_MAGIC = b"GGUF"
 #: gguf value types (gguf.GGUFValueType)
@@ -32,7 +34,8 @@ _SCALAR = {
     11: "<q",
     12: "<d",
 }
-_CHUNK = 16 << 20
+#: bytes per kernel copy (a progress step)
+_CHUNK = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ def write_part(
         pos = len(head)
         for t in tensors:
             for b, e in t.ranges:
-                copy_ranges(fin.fileno(), fout.fileno(), b, e, pos, progress)
+                copy_range(fin.fileno(), fout.fileno(), b, e, pos, chunk=_CHUNK, progress=progress)
                 pos += e - b
             pad = _pad(t.nbytes, align) - t.nbytes
             if pad:
@@ -114,53 +117,3 @@ def write_part(
                 pos += pad
         os.ftruncate(fout.fileno(), pos)
     return pos
-
-
-def copy_ranges(
-    fd_in: int,
-    fd_out: int,
-    begin: int,
-    end: int,
-    out_pos: int,
-    progress: Callable[[int], None] | None = None,
-) -> None:
-    """Copy ``[begin, end)`` of ``fd_in`` to ``out_pos`` of ``fd_out``: in the kernel
-    (``os.copy_file_range``, which shares extents where the filesystem can) where it can,
-    else through one buffer."""
-    pos = begin
-    while pos < end:
-        want = min(_CHUNK * 4, end - pos)
-        try:
-            n = os.copy_file_range(fd_in, fd_out, want, pos, out_pos)
-        except OSError as exc:
-            if exc.errno not in (
-                errno.EXDEV,
-                errno.ENOSYS,
-                errno.EINVAL,
-                errno.EOPNOTSUPP,
-                errno.EPERM,
-            ):
-                raise
-            _copy_buffered(fd_in, fd_out, pos, end, out_pos, progress)
-            return
-        if n == 0:
-            raise OSError(errno.EIO, f"unexpected end of the source at byte {pos}")
-        if progress is not None:
-            progress(n)
-        pos += n
-        out_pos += n
-
-
-def _copy_buffered(fd_in, fd_out, pos, end, out_pos, progress) -> None:
-    buf = memoryview(bytearray(min(_CHUNK, end - pos)))
-    while pos < end:
-        n = os.preadv(fd_in, [buf[: min(len(buf), end - pos)]], pos)
-        if n <= 0:
-            raise OSError(errno.EIO, f"unexpected end of the source at byte {pos}")
-        done = 0
-        while done < n:
-            done += os.pwrite(fd_out, buf[done:n], out_pos + done)
-        if progress is not None:
-            progress(n)
-        pos += n
-        out_pos += n
