@@ -3,9 +3,9 @@
 Kept tensors are never decoded: the writer copies only the kept byte ranges of the
 source shard behind a new header, in the kernel (``os.copy_file_range``: no copy through
 user space, extents shared where the filesystem can), then checksums the file as written,
-read back from the page cache through a small ring of buffers on a helper thread. Where
-the kernel cannot copy between the two files, the ranges go through the ring
-(``preadv`` / ``pwrite``). Memory: the ring, whatever the shard size.
+mapped read-only from the page cache. Where the kernel cannot copy between the two files,
+the ranges go through one buffer (``preadv`` / ``pwrite``). Memory: that buffer at most,
+whatever the shard size.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import errno
 import hashlib
 import os
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -22,16 +21,16 @@ from .errors import CheckpointError
 __all__ = [
     "ByteMover",
     "CHUNK_BYTES",
+    "checksum_fd",
     "copy_range",
     "default_output_checksum",
     "merge_ranges",
     "new_hasher",
 ]
 
-#: streaming I/O: chunk size and number of ring buffers (memory = CHUNK * BUFFERS)
+#: streaming I/O: bytes per kernel copy (a progress step) and of the fallback buffer
 #: (``REAP_CHUNK_MB`` may be fractional: the interruption tests use ~10 KiB chunks)
 CHUNK_BYTES = max(4096, int(float(os.environ.get("REAP_CHUNK_MB", "16")) * (1 << 20)))
-RING_BUFFERS = 3
 
 
 def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -126,20 +125,18 @@ def copy_range(
 class ByteMover:
     """Copies byte ranges of a source file into a new file and checksums what it wrote.
 
-    The ranges are copied in the kernel (:func:`copy_range`); the new file is then read back
-    (from the page cache) through a ring of :data:`RING_BUFFERS` buffers of
-    :data:`CHUNK_BYTES` allocated once per rewrite, and checksummed on a helper thread
-    (hashlib / xxhash release the GIL) while the next piece is read. Memory: the ring,
-    whatever the shard size.
+    The ranges are copied in the kernel (:func:`copy_range`); the new file is then
+    checksummed as the page cache holds it (mapped read-only, no copy to user space). A
+    buffer of :data:`CHUNK_BYTES` is allocated only where the kernel cannot copy.
+    Memory: that buffer at most, whatever the shard size.
     """
 
     def __init__(self, kind: str = "sha256"):
         self.kind = kind
-        self.ring = [memoryview(bytearray(CHUNK_BYTES)) for _ in range(RING_BUFFERS)]
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="reap-out-hash")
+        self._buffer: memoryview | None = None
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        self._buffer = None
 
     def copy(
         self,
@@ -170,36 +167,38 @@ class ByteMover:
 
                 for b, e in merge_ranges(segments):
                     try:
-                        copy_range(fd_in, fd_out, b, e, pos, buffer=self.ring[0], progress=step)
+                        copy_range(
+                            fd_in, fd_out, b, e, pos, buffer=self._fallback_buffer, progress=step
+                        )
                     except CheckpointError as exc:
                         raise CheckpointError(f"{src}: {exc}") from None
                     pos += e - b
-                return self._checksum(fd_out, pos)
+                return checksum_fd(fd_out, pos, self.kind)
             finally:
                 os.close(fd_out)
         finally:
             os.close(fd_in)
 
-    def _checksum(self, fd: int, size: int) -> str:
-        """The checksum of the first ``size`` bytes of ``fd``: each ring buffer read while
-        the previous one is hashed."""
-        h = new_hasher(self.kind)
-        pending: list[Future | None] = [None] * RING_BUFFERS
-        slot, pos = 0, 0
-        try:
-            while pos < size:
-                if pending[slot] is not None:
-                    pending[slot].result()
-                    pending[slot] = None
-                buf = self.ring[slot]
-                n = os.preadv(fd, [buf[: min(CHUNK_BYTES, size - pos)]], pos)
-                if n <= 0:
-                    raise CheckpointError(f"internal error: the written shard ends at byte {pos}")
-                pending[slot] = self.pool.submit(h.update, buf[:n])
-                pos += n
-                slot = (slot + 1) % RING_BUFFERS
-        finally:
-            for f in pending:  # never leave a buffer in use
-                if f is not None:
-                    f.result()
+    @property
+    def _fallback_buffer(self) -> memoryview:
+        if self._buffer is None or len(self._buffer) != CHUNK_BYTES:
+            self._buffer = memoryview(bytearray(CHUNK_BYTES))
+        return self._buffer
+
+
+def checksum_fd(fd: int, size: int, kind: str) -> str:
+    """The checksum ``kind`` of the first ``size`` bytes of the open file ``fd``, read
+    through a read-only mapping (from the page cache, without a copy)."""
+    import mmap
+
+    h = new_hasher(kind)
+    if size == 0:
         return h.hexdigest()
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+        view = memoryview(mm)
+        try:
+            for pos in range(0, size, CHUNK_BYTES):
+                h.update(view[pos : pos + CHUNK_BYTES])
+        finally:
+            view.release()
+    return h.hexdigest()
