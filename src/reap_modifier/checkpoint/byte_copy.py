@@ -3,7 +3,7 @@
 Kept tensors are never decoded: the writer copies only the kept byte ranges of the
 source shard behind a new header, in the kernel (``os.copy_file_range``: no copy through
 user space, extents shared where the filesystem can), then checksums the file as written,
-mapped read-only from the page cache. Where the kernel cannot copy between the two files,
+mapped read-only from the page cache one window at a time. Where the kernel cannot copy between the two files,
 the ranges go through one buffer (``preadv`` / ``pwrite``). Memory: that buffer at most,
 whatever the shard size.
 """
@@ -126,7 +126,8 @@ class ByteMover:
     """Copies byte ranges of a source file into a new file and checksums what it wrote.
 
     The ranges are copied in the kernel (:func:`copy_range`); the new file is then
-    checksummed as the page cache holds it (mapped read-only, no copy to user space). A
+    checksummed as the page cache holds it (:func:`checksum_fd`: mapped read-only, one
+    window at a time, no copy to user space). A
     buffer of :data:`CHUNK_BYTES` is allocated only where the kernel cannot copy.
     Memory: that buffer at most, whatever the shard size.
     """
@@ -188,17 +189,19 @@ class ByteMover:
 
 def checksum_fd(fd: int, size: int, kind: str) -> str:
     """The checksum ``kind`` of the first ``size`` bytes of the open file ``fd``, read
-    through a read-only mapping (from the page cache, without a copy)."""
+    from the page cache through read-only mappings of :data:`CHUNK_BYTES` (rounded to the
+    mapping granularity), one at a time: no copy to user space, and the process's resident
+    memory grows by one window at most."""
     import mmap
 
     h = new_hasher(kind)
-    if size == 0:
-        return h.hexdigest()
-    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
-        view = memoryview(mm)
-        try:
-            for pos in range(0, size, CHUNK_BYTES):
-                h.update(view[pos : pos + CHUNK_BYTES])
-        finally:
-            view.release()
+    gran = mmap.ALLOCATIONGRANULARITY
+    window = max(gran, CHUNK_BYTES // gran * gran)
+    for offset in range(0, size, window):
+        with mmap.mmap(fd, min(window, size - offset), prot=mmap.PROT_READ, offset=offset) as mm:
+            view = memoryview(mm)
+            try:
+                h.update(view)
+            finally:
+                view.release()
     return h.hexdigest()
