@@ -55,6 +55,22 @@ def require_converter() -> None:
     pytest.skip(why)
 
 
+def bpe_tokenizer(vocab: int = 128):
+    """A BPE tokenizer of ``vocab`` tokens with merges (llama.cpp refuses a BPE vocabulary
+    without them): half single characters, half the pairs of neighbours merged."""
+    import string
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list((string.ascii_letters + string.digits + "+/")[: vocab // 2])
+    merges = [(chars[i], chars[(i + 1) % len(chars)]) for i in range(vocab - len(chars))]
+    tokens = chars + [a + b for a, b in merges]
+    tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token=tokens[0], pad_token=tokens[0])
+
+
 def prune_safetensors(src: Path, dst: Path, kept: dict[int, list[int]]) -> None:
     """Copy the saved model ``src`` to ``dst`` keeping, in layer ``L``, the experts
     ``kept[L]`` (ascending; new id = position)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_oracle import ROOT, convert, prune_safetensors, require_converter
+from gguf_oracle import ROOT, bpe_tokenizer, convert, prune_safetensors, require_converter
 
 from reap_modifier.gguf import prepare_gguf_rewrite
 from reap_modifier.scores.plan import PruningPlan
@@ -31,7 +31,10 @@ KEPT = {
 }
 SIZES = {
     "qwen3_moe": dict(num_experts=16, hidden_size=64, moe_intermediate_size=32, head_dim=32),
-    "deepseek_v3": dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64),
+    # llama.cpp's deepseek2 loader needs a q_lora_rank (the real model has one)
+    "deepseek_v3": dict(
+        hidden_size=64, moe_intermediate_size=32, intermediate_size=64, q_lora_rank=16
+    ),
 }
 
 
@@ -70,14 +73,13 @@ def transformers_logits(model_dir: Path) -> np.ndarray:
 def saved_model(family: str, root: Path) -> Path:
     """A tiny model saved with a tokenizer; DeepSeek-V3's config states its sigmoid routing
     (transformers' does not, and llama.cpp's converter needs it)."""
-    from conftest import make_tokenizer
     from tiny_models import build_tiny
 
     torch.set_num_threads(1)
     model, _ = build_tiny(family, **SIZES[family])
     src = root / family
     model.save_pretrained(src)
-    make_tokenizer().save_pretrained(src)
+    bpe_tokenizer().save_pretrained(src)
     if family == "deepseek_v3":
         cfg = json.loads((src / "config.json").read_text())
         cfg["scoring_func"] = "sigmoid"
