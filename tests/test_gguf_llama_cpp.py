@@ -130,3 +130,26 @@ def test_masked_routing_oracle_in_llama_cpp(llama_cpp, tmp_path):
     prepare_gguf_rewrite(gguf_src, plan, ours, progress=False).run()
     diff = np.abs(llama_logits(ours, tmp_path) - llama_logits(masked, tmp_path)).max()
     assert diff == 0.0, diff
+
+
+def test_reap_verify_llama_cpp(llama_cpp, tmp_path):
+    """``reap verify X.gguf --llama-cpp --reference DIR`` passes against the pruned model and
+    fails against the unpruned one."""
+    from badinput import cli
+
+    src = saved_model("qwen3_moe", tmp_path)
+    pruned = tmp_path / "pruned"
+    prune_safetensors(src, pruned, KEPT["qwen3_moe"])
+    gguf_src = convert(src, tmp_path / "src.gguf", "f32")
+    plan = PruningPlan(
+        kept={f"model.layers.{L}.mlp": v for L, v in KEPT["qwen3_moe"].items()}, num_experts=16
+    )
+    ours = prepare_gguf_rewrite(gguf_src, plan, tmp_path / "ours.gguf", progress=False).run()
+    py = ["--llama-cpp-python", PYTHON]
+    res = cli("verify", ours, "--source", gguf_src, "--llama-cpp", "--reference", pruned, *py, "-q")
+    assert res.exit_code == 0, res.output
+    assert "llama.cpp check OK" in res.output
+    res = cli("verify", ours, "--llama-cpp", "--reference", src, *py, "-q")
+    assert res.exit_code == 1 and "llama.cpp check FAILED" in res.output
+    res = cli("verify", ours, "--llama-cpp", "-q")
+    assert res.exit_code == 2 and "give --reference" in res.output

@@ -331,13 +331,34 @@ def _register_verify(app: typer.Typer) -> None:
         vllm_work_dir: Path | None = typer.Option(
             None, "--vllm-work-dir", help="where server logs and the JSON report go"
         ),
+        llama_cpp: bool = typer.Option(
+            False,
+            "--llama-cpp",
+            help="GGUF only: also run it in llama.cpp (llama-cpp-python) and compare its logits with --reference in transformers",
+        ),
+        reference: Path | None = typer.Option(
+            None,
+            "--reference",
+            help="with --llama-cpp: the checkpoint the GGUF must compute (e.g. the pruned safetensors)",
+        ),
+        llama_cpp_python: Path | None = typer.Option(
+            None,
+            "--llama-cpp-python",
+            help="Python of an environment with llama-cpp-python (default: $REAP_LLAMA_CPP_PYTHON, ./.venv-llama-cpp/bin/python)",
+        ),
     ):
         """Check a pruned checkpoint: counts, routers, expert indices, manifest, and (with --source) bytes."""
         if vllm and dst.suffix.lower() == ".gguf":
             fail(
                 "--vllm checks safetensors checkpoints; a .gguf file runs in llama.cpp: drop --vllm"
             )
+        if llama_cpp and reference is None:
+            fail("--llama-cpp compares with a transformers checkpoint: give --reference DIR")
         _verify(dst, source, quiet)
+        if llama_cpp:
+            from .gguf import verify_with_llama_cpp
+
+            verify_with_llama_cpp(dst, reference, llama_cpp_python)
         if vllm:
             _verify_with_vllm(
                 dst,

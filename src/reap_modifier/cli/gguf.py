@@ -10,7 +10,7 @@ import typer
 
 from .common import EXIT_CHECK_FAILED, check_failed, fail
 
-__all__ = ["prune_gguf", "verify_gguf_cli"]
+__all__ = ["prune_gguf", "verify_gguf_cli", "verify_with_llama_cpp"]
 
 
 def prune_gguf(
@@ -90,3 +90,26 @@ def verify_gguf_cli(dst: Path, source: Path | None, quiet: bool):
             report.failures, f"{dst}: verification FAILED ({len(report.failures)} problem(s))"
         )
     return report
+
+
+def verify_with_llama_cpp(dst: Path, reference: Path, python: Path | None) -> None:
+    """``reap verify X.gguf --llama-cpp --reference DIR``: llama.cpp's logits against
+    transformers' (exit 1 when they disagree)."""
+    from ..gguf.layout import is_gguf
+    from ..serving.llama_cpp_check import LlamaCppNotFound, check_with_llama_cpp
+
+    if not is_gguf(dst):
+        fail("--llama-cpp runs a GGUF model; give a .gguf file")
+    try:
+        report = check_with_llama_cpp(dst, reference, python=python)
+    except LlamaCppNotFound as exc:
+        fail(exc)
+    except (RuntimeError, OSError, ValueError) as exc:
+        fail(f"{dst}: the llama.cpp check could not run ({exc})", EXIT_CHECK_FAILED)
+    line = (
+        f"max |logit difference| {report.max_abs_diff:.3g}, top-1 agreement "
+        f"{report.top1_agreement:.3f}, mean KL {report.mean_kl:.3g}"
+    )
+    if not report.ok:
+        check_failed(report.failures, f"{dst}: llama.cpp check FAILED ({line})")
+    typer.echo(f"{dst}: llama.cpp check OK ({line}, vs {reference} in transformers)")
