@@ -1,7 +1,7 @@
 """Peak memory of REAP calibration on a packed MXFP4 checkpoint vs the decompress-everything path.
 
 Writes a synthetic Kimi-K3-shaped MXFP4 checkpoint (random E2M1 codes + E8M0 scales,
-routed experts packed, everything else bf16; ``tests/k3_mxfp4_synth.py``), then runs
+routed experts packed, everything else bf16; ``tests/helpers/k3_mxfp4_synth.py``), then runs
 ``oneshot(model=<path>, recipe=[REAPPruningModifier(dequantize=...)])`` on a few
 thousand random tokens in a fresh process per mode and prints, side by side: the
 packed checkpoint size, the dense size it would need, one MoE layer's experts dense,
@@ -38,7 +38,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+import paths  # noqa: E402,F401  (tests/helpers and tests/oracles by name)
+
 sys.path.insert(0, str(ROOT / "src"))
 
 GIB = 1024**3
@@ -187,7 +189,12 @@ def run_mode(mode: str, path: Path, args, budget: int) -> dict:
         OMP_NUM_THREADS=str(args.threads),
         TOKENIZERS_PARALLELISM="false",
         PYTHONPATH=os.pathsep.join(
-            [str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+            [
+                str(ROOT / "src"),
+                str(ROOT / "tests" / "helpers"),
+                str(ROOT / "tests" / "oracles"),
+                os.environ.get("PYTHONPATH", ""),
+            ]
         ),
     )
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:

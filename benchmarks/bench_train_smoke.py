@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+import paths  # noqa: E402,F401  (tests/helpers and tests/oracles by name)
 from test_train_script import SCRIPT, synthetic_corpus  # noqa: E402
 
 TARGET_S = 60.0

@@ -4,7 +4,7 @@ A Kimi-K3-shaped MoE layer with K3's routing (896 routed experts, top-16, sigmoi
 score-correction bias, routed scaling 2.5, one shared expert, latent MoE) but small
 widths (``--hidden``, latent half of it, expert width 64) is cut to the 448 experts with
 the largest router rows; its unpruned block outputs on ``--tokens`` random hidden states
-are the targets; :func:`reap_modifier.bias_fit.fit_bias` fits the kept bias. Reported:
+are the targets; :func:`reap_modifier.post_cut.bias_fit.fit_bias` fits the kept bias. Reported:
 the held-out loss before / after, the work in block evaluations (token rows run through
 the block / N; newly computed expert outputs / (N x top-k)) and the wall-clock time
 relative to one forward of the pruned block over the N tokens. The routing shape (E, k,
@@ -24,15 +24,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
+import paths  # noqa: E402,F401  (tests/helpers and tests/oracles by name)
 
 
 def main() -> None:
     from tiny_models import build_tiny
 
-    from reap_modifier.bias_fit import fit_bias
     from reap_modifier.models import find_moe_architecture
-    from reap_modifier.router_fit import block_output
+    from reap_modifier.post_cut.bias_fit import fit_bias
+    from reap_modifier.post_cut.block_fit import block_output
     from reap_modifier.surgery import prune_layer
 
     ap = argparse.ArgumentParser()

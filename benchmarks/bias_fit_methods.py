@@ -1,4 +1,4 @@
-"""Bias fit methods compared: coordinate search (:func:`reap_modifier.bias_fit.fit_bias`) vs a
+"""Bias fit methods compared: coordinate search (:func:`reap_modifier.post_cut.bias_fit.fit_bias`) vs a
 straight-through estimator, on tiny models and on the bundled model.
 
 Straight-through estimator: Adam on the bias (float32 master), forward with the hard top-k
@@ -24,19 +24,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
+import paths  # noqa: E402,F401  (tests/helpers and tests/oracles by name)
 
-from reap_modifier.bias_fit import (  # noqa: E402
-    BIAS_ATTR,
-    _dispatch,
-    _one_slot,
-    _real_loss,
-    fit_bias,
-    router_scores,
-    routing,
-    routing_rule,
-)
-from reap_modifier.router_fit import HOLDOUT_EVERY, _output, relative_error  # noqa: E402
+from reap_modifier.post_cut.bias_fit import BIAS_ATTR, _real_loss, fit_bias  # noqa: E402
+from reap_modifier.post_cut.block_fit import HOLDOUT_EVERY, relative_error  # noqa: E402
+from reap_modifier.post_cut.dispatch import block_tensor as _output  # noqa: E402
+from reap_modifier.post_cut.dispatch import one_slot as _one_slot  # noqa: E402
+from reap_modifier.post_cut.dispatch import routed_dispatch as _dispatch  # noqa: E402
+from reap_modifier.post_cut.routing import read_rule as routing_rule  # noqa: E402
+from reap_modifier.post_cut.routing import route_scores as routing  # noqa: E402
+from reap_modifier.post_cut.routing import router_scores  # noqa: E402
 
 
 def ste(layer, x, y, *, steps=100, temperature=1.0, lr=0.1):
@@ -82,7 +80,7 @@ def ste(layer, x, y, *, steps=100, temperature=1.0, lr=0.1):
         g = scores * mask
         if rule.renormalize:
             g = g / (g.sum(-1, keepdim=True) + 1e-20)
-        g = g * rule.scale
+        g = g * rule.scaling
 
         def dispatch(h, _ids, _w, g=g):
             if "A" not in cache:

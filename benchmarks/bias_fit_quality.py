@@ -4,11 +4,12 @@ REAP scores are computed once on the en + zh + code calibration splits (``onesho
 ``scores_path``); each MoE block's unpruned inputs and outputs on the same calibration
 windows are captured with forward hooks on the unpruned model. At each sparsity the model
 is cut from the scores, then per layer (on the captured unpruned inputs / outputs, as the
-modifier fits): :func:`reap_modifier.router_fit.fit_router` (rows written), then
-:func:`reap_modifier.bias_fit.fit_bias` (bias written). Reported: the held-out
+modifier fits): :func:`reap_modifier.post_cut.router_fit.fit_router` (rows written), then
+:func:`reap_modifier.post_cut.bias_fit.fit_bias` (bias written). Reported: the held-out
 layer-local error per layer (every 8th fitting token, as both fits hold out) after the cut,
 after the router fit and after the bias fit, and ``KL(unpruned || model)`` per language on
-the main job's held-out ``eval`` windows (never used to fit) for the cut alone, the router
+held-out windows (never used to fit; the development split by default: ``--split``,
+:mod:`window_metrics`) for the cut alone, the router
 fit and the router fit + bias fit (``--bias-alone`` adds the bias fit without the router
 fit), with the paired difference of the last step.
 
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from window_metrics import held_out_windows, per_window_metrics
+from window_metrics import add_split_argument, held_out_windows, per_window_metrics
 
 from reap_modifier.demo.config import LANGS
 
@@ -75,9 +76,9 @@ def cut(fresh, sparsity, scores, tokenizer):
 
 def fit(model, io, *, router: bool, bias: bool, steps: int, lr: float, sweeps: int) -> dict:
     """Fit each layer in place; ``layer -> {stage: held-out error}`` and the fits' records."""
-    from reap_modifier.bias_fit import BIAS_ATTR, fit_bias
     from reap_modifier.models import find_moe_architecture
-    from reap_modifier.router_fit import fit_router
+    from reap_modifier.post_cut.bias_fit import BIAS_ATTR, fit_bias
+    from reap_modifier.post_cut.router_fit import fit_router
 
     out = {}
     for layer in find_moe_architecture(model).layers:
@@ -126,13 +127,16 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8)
     ap.add_argument("--bias-alone", action="store_true")
     ap.add_argument("--out", default=None)
+    add_split_argument(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     calib = {lang: D.load_split(args.data_dir, lang, "calib") for lang in LANGS}
     dataset = D.calibration_dataset(calib, tokenizer, args.tokens_per_lang, args.seq_len)
-    windows = held_out_windows(tokenizer, args.eval_windows, args.seq_len, args.data_dir)
+    windows = held_out_windows(
+        tokenizer, args.eval_windows, args.seq_len, args.data_dir, split=args.split
+    )
 
     def fresh():
         return load_model(args.model, packed=False, dtype="float32")

@@ -1,4 +1,4 @@
-"""Cost of the post-cut compensation (:mod:`reap_modifier.compensation`) on one Kimi-K3-shaped
+"""Cost of the post-cut compensation (:mod:`reap_modifier.post_cut.compensation`) on one Kimi-K3-shaped
 MoE layer: capture memory, the closed form, one gradient step, and ``compensate``.
 
 One ``KimiSparseMoeBlock`` (llm-compressor's Kimi K3 modeling, random weights): hidden
@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # tiny_models: how a K3 config is made
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))  # tiny_models: how a K3 config is made
+import paths  # noqa: E402,F401  (tests/helpers and tests/oracles by name)
 
 H, LATENT, EXPERTS, KEPT, TOP_K = 7168, 3584, 896, 448, 16
 HOLDOUT_EVERY = 8  # router_fit.HOLDOUT_EVERY: every 8th fitting token is held out
@@ -91,7 +92,7 @@ def build_layer(shared_intermediate: int, routed_intermediate: int):
 
 
 def dense_state(layer) -> dict[str, torch.Tensor]:
-    from reap_modifier.compensation import dense_params
+    from reap_modifier.post_cut.compensation import dense_params
 
     return {
         f"{p}.{n}": getattr(layer.block.get_submodule(p), n).detach().clone()
@@ -169,7 +170,7 @@ def counted_expert_rows(record: dict):
 
 
 def trained_params(layer) -> int:
-    from reap_modifier.compensation import dense_params
+    from reap_modifier.post_cut.compensation import dense_params
 
     return sum(
         getattr(layer.block.get_submodule(p), n).numel()
@@ -195,8 +196,8 @@ def expert_flops_per_row(routed_i: int) -> float:
 
 
 def measure(layer, x, y, args) -> dict:
-    from reap_modifier.compensation import closed_form, compensate, dense_params
-    from reap_modifier.router_fit import fit_block
+    from reap_modifier.post_cut.block_fit import fit_block
+    from reap_modifier.post_cut.compensation import closed_form, compensate, dense_params
 
     n = x.shape[0]
     rec: dict = {"tokens": n}
@@ -261,7 +262,7 @@ def main() -> None:
         help="ASSUMED achieved bf16 TFLOP/s of an H100/H200 (dense peak 989)",
     )
     args = parser.parse_args()
-    from reap_modifier.compensation import RIDGE_GRID
+    from reap_modifier.post_cut.compensation import RIDGE_GRID
     from reap_modifier.surgery import prune_layer
 
     threads = torch.get_num_threads()

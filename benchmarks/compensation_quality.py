@@ -3,12 +3,13 @@ REAP(en+zh+code) alone, + router fit, + the closed-form refit of the output proj
 (shared expert ``down_proj`` and ``routed_expert_up_proj`` jointly, ridge chosen on held-out
 tokens), + Adam over the shared expert, the up-projection and the router rows, and the
 closed form followed by Adam. Prints each layer's held-out layer-local error and the KL to
-the unpruned model per language on held-out windows (the main job's eval split). An
-independent implementation of what ``reap_modifier.compensation`` does, written to choose
+the unpruned model per language on held-out windows (the development split by default:
+``--split``, :mod:`window_metrics`). An
+independent implementation of what ``reap_modifier.post_cut.compensation`` does, written to choose
 the method; the numbers of docs/router-calibration.md's compensation tables come from it.
 
-    PYTHONPATH=src python benchmarks/compensation_quality.py --sparsity 0.5 \
-        --variants fit fit+ls fit+adam fit+ls+adam
+    PYTHONPATH=src python benchmarks/compensation_quality.py --sparsity 0.5 0.75 \
+        --variants fit fit+ls fit+adam fit+ls+adam --out out/compensation_quality.json
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import copy
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
-from window_metrics import held_out_windows, per_window_metrics
+from window_metrics import add_split_argument, held_out_windows, per_window_metrics
 
 from reap_modifier.demo.config import LANGS
 
@@ -105,7 +107,8 @@ def capture_block_feats(block, X):
 
 
 def adam_dense(layer, X, Y, steps=200, lr=1e-3, with_router=True):
-    from reap_modifier.router_fit import _ExpertCache, differentiable_dispatch, relative_error
+    from reap_modifier.post_cut.block_fit import ExpertCache as _ExpertCache
+    from reap_modifier.post_cut.block_fit import differentiable_dispatch, relative_error
 
     block = layer.block
     params = list(block.routed_expert_up_proj.parameters()) + list(
@@ -157,20 +160,22 @@ def main():
     from reap_modifier.demo.config import DEFAULT_MODEL
     from reap_modifier.demo.workspace import load_model
     from reap_modifier.models import find_moe_architecture
-    from reap_modifier.router_fit import fit_router
+    from reap_modifier.post_cut.router_fit import fit_router
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens-per-lang", type=int, default=4096)
     ap.add_argument("--eval-windows", type=int, default=32)
     ap.add_argument("--sparsity", type=float, nargs="+", default=[0.5, 0.75])
     ap.add_argument("--variants", nargs="+", default=["fit", "fit+ls", "fit+adam"])
+    ap.add_argument("--out", default=None, help="write the KLs and the arguments here as JSON")
+    add_split_argument(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
     model_dir = str(DEFAULT_MODEL)
     tok = AutoTokenizer.from_pretrained(model_dir)
     calib = {lang: D.load_split(None, lang, "calib") for lang in LANGS}
     ds = D.calibration_dataset(calib, tok, args.tokens_per_lang, 256)
-    windows = held_out_windows(tok, args.eval_windows, 256)
+    windows = held_out_windows(tok, args.eval_windows, 256, split=args.split)
 
     def fresh():
         return load_model(model_dir, packed=False, dtype="float32")
@@ -233,7 +238,10 @@ def main():
                 flush=True,
             )
             out[f"{sp}-{lang}"] = kl
-    json.dump(out, sys.stdout)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": out}, indent=1))
+    else:
+        json.dump(out, sys.stdout)
 
 
 if __name__ == "__main__":

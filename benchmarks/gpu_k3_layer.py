@@ -4,7 +4,7 @@ vs forward on MXFP4-packed experts dequantized by this package, side by side.
 The shape is the one ``benchmarks/k3_scale.py`` assumes for K3: hidden 7168, latent
 (``routed_expert_hidden_size``) 3584, expert intermediate 2048, 896 routed experts,
 top-16, one shared expert. A one-MoE-layer checkpoint is written with random MXFP4
-experts (``tests/k3_mxfp4_synth.py``: 10.5 GB packed, 39 GB as bf16), then loaded
+experts (``tests/helpers/k3_mxfp4_synth.py``: 10.5 GB packed, 39 GB as bf16), then loaded
 twice onto the device: decompressed there (bf16) and packed. Over ``--tokens`` tokens of random hidden
 states (batches of ``--seq``), timed with CUDA events, median of ``--repeats``:
 
@@ -53,7 +53,8 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the synthetic MXFP4 checkpoint writer
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))  # the synthetic MXFP4 checkpoint writer
+import paths  # noqa: E402,F401  (tests/helpers and tests/oracles by name)
 
 
 def _stand_in(name: str) -> types.ModuleType:

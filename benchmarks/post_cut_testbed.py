@@ -4,7 +4,7 @@ the block's output, and with tiny calibration: cut alone vs router fit vs compen
 The bundled model's shared expert is nearly idle (removing every routed expert leaves
 99.8% of the block's output error), so a refit there may overstate what Kimi K3 sees.
 Here a tiny random Kimi K3 (sigmoid router, score-correction bias, latent MoE,
-one shared expert; tests/tiny_models.py) has its shared expert's output projection
+one shared expert; tests/helpers/tiny_models.py) has its shared expert's output projection
 scaled so that the shared expert carries ``--shared-share`` of the block output's energy
 (measured, printed). REAP calibrates through ``oneshot`` on random token windows, the
 model is cut at each sparsity with the post-cut components on (each validated on
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
+import paths  # noqa: E402,F401  (tests/helpers and tests/oracles by name)
 from conftest import make_dataset, make_tokenizer, save_and_reload  # noqa: E402
 from tiny_models import build_tiny, sample_input_ids  # noqa: E402
 

@@ -6,7 +6,8 @@ On the bundled model (``models/tiny-k3-bilingual``) with the main job's data and
 evaluation settings (``DemoConfig``): REAP calibrated on the English calibration part
 (``en1``, ``tokens_per_part`` tokens), at 50% and 75% sparsity, both modes; then
 held-out NLL and KL(unpruned || pruned) per language (en, zh, code; ``eval_windows``
-windows of ``eval_seq_len`` tokens), and the paired difference true - false per window
+windows of ``eval_seq_len`` tokens of the development split by default, ``--split eval``
+for the main job's evaluation windows), and the paired difference true - false per window
 with its standard error (windows of one text stream are not fully independent: read
 the standard error as a scale, not a test).
 
@@ -59,14 +60,22 @@ def main() -> None:
 
     from reap_modifier.demo import data as D
     from reap_modifier.demo.config import LANGS, QUICK, DemoConfig
-    from reap_modifier.demo.inputs import calibration_sets
+    from reap_modifier.demo.inputs import calibration_sets, quality_windows
     from reap_modifier.demo.workspace import load_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the job's --quick sizes")
     parser.add_argument("--out", default="out/propagate_pruned")
+    parser.add_argument(
+        "--split",
+        choices=("dev", "eval"),
+        default="dev",
+        help="windows: the development split's (default) or the main job's evaluation windows",
+    )
     args = parser.parse_args()
-    cfg = DemoConfig(**{**asdict(DemoConfig()), **(QUICK if args.quick else {})})
+    cfg = DemoConfig(
+        **{**asdict(DemoConfig()), **(QUICK if args.quick else {}), "split": args.split}
+    )
     torch.set_num_threads(cfg.threads)
     model_dir = Path(cfg.model)
     data_dir = D.default_data_dir()
@@ -74,12 +83,7 @@ def main() -> None:
     calib = {lang: D.load_split(data_dir, lang, "calib") for lang in LANGS}
     evals = {lang: D.load_split(data_dir, lang, "eval") for lang in LANGS}
     dataset = calibration_sets(calib, tokenizer, cfg)["en1"]
-    windows = {
-        lang: D.eval_windows(
-            evals[lang], tokenizer, cfg.eval_windows, seq_len=cfg.eval_seq_len, seed=cfg.eval_seed
-        )
-        for lang in LANGS
-    }
+    windows = {lang: quality_windows(evals[lang], tokenizer, cfg) for lang in LANGS}
 
     models = {"unpruned": load_model(model_dir, dtype=cfg.dtype)}
     kept = {}

@@ -19,7 +19,8 @@ are combined with per-token least-squares weights, shared experts as they are:
     router of this routing function, whatever it selects (it may use more than top-k).
 
 The oracles read the target while they run, so they are bounds, not models. Judged on
-the main job's held-out windows, KL(unpruned || model) per token, paired over windows.
+held-out windows (the development split by default: ``--split``, :mod:`window_metrics`),
+KL(unpruned || model) per token, paired over windows.
 Needs the main job's output (``bash scripts/demo.sh``):
 
     PYTHONPATH=src python benchmarks/router_fit_ceiling.py --demo-out out/demo
@@ -33,7 +34,7 @@ import types
 from pathlib import Path
 
 import torch
-from window_metrics import held_out_windows, per_window_metrics
+from window_metrics import add_split_argument, held_out_windows, per_window_metrics
 
 from reap_modifier.demo.config import LANGS
 
@@ -132,10 +133,13 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=8)
     ap.add_argument("--out", default=None)
+    add_split_argument(ap)
     args = ap.parse_args()
     torch.set_num_threads(2)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    windows = held_out_windows(tokenizer, args.eval_windows, args.seq_len, args.data_dir)
+    windows = held_out_windows(
+        tokenizer, args.eval_windows, args.seq_len, args.data_dir, split=args.split
+    )
     pruned_dir = Path(args.demo_out) / "pruned"
 
     def load(path):

@@ -3,13 +3,14 @@
 ``calibrate_router`` fits layer *i* on the inputs the *unpruned* model gives it (captured
 during calibration, before the cut). At inference the pruned model feeds it inputs that
 carry the error of the pruned layers before it. This fits the same cut both ways on the
-same calibration tokens, with :func:`reap_modifier.router_fit.fit_router` and the
+same calibration tokens, with :func:`reap_modifier.post_cut.router_fit.fit_router` and the
 unpruned block's output on the same input as the target:
 
 ``std``  inputs from the unpruned model (what the modifier does);
 ``seq``  layer by layer, inputs from the pruned model whose earlier routers are already fitted.
 
-Judged on the main job's held-out windows (KL to the unpruned model, paired over windows).
+Judged on held-out windows (the development split by default: ``--split``,
+:mod:`window_metrics`; KL to the unpruned model, paired over windows).
 Needs the main job's output (``bash scripts/demo.sh``):
 
     PYTHONPATH=src python benchmarks/router_fit_inputs.py --cut reap_en_zh_code_75
@@ -20,7 +21,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from window_metrics import held_out_windows, per_window_metrics
+from window_metrics import add_split_argument, held_out_windows, per_window_metrics
 
 from reap_modifier.demo.config import LANGS
 
@@ -33,7 +34,7 @@ def main() -> None:
     from reap_modifier.demo.workspace import load_model
     from reap_modifier.evaluation import paired_difference
     from reap_modifier.models import find_moe_architecture
-    from reap_modifier.router_fit import fit_router
+    from reap_modifier.post_cut.router_fit import fit_router
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -42,13 +43,14 @@ def main() -> None:
     ap.add_argument("--tokens-per-lang", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--lr", type=float, default=0.03)
+    add_split_argument(ap)
     args = ap.parse_args()
     torch.set_num_threads(2)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     calib = {lang: D.load_split(None, lang, "calib") for lang in LANGS}
     dataset = D.calibration_dataset(calib, tokenizer, args.tokens_per_lang, 256)
     rows = [torch.tensor(r) for r in dataset["input_ids"]]
-    windows = held_out_windows(tokenizer, 64, 256)
+    windows = held_out_windows(tokenizer, 64, 256, split=args.split)
 
     def load(path):
         return load_model(path, packed=False, dtype="float32")

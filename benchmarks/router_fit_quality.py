@@ -4,7 +4,8 @@ For each calibration mix (``en``: English calibration split only; ``mixed``: en 
 code calibration splits) REAP scores are computed once (``oneshot`` with
 ``scores_path``); at each sparsity the model is cut from those scores twice, once
 alone and once with ``calibrate_router`` fitted on the same calibration split. All
-models are judged on the held-out ``eval`` split only, against the unpruned model:
+models are judged on held-out windows only (the development split by default: ``--split``,
+:mod:`window_metrics`), against the unpruned model:
 mean next-token NLL and ``KL(unpruned || model)`` per language, and the paired
 difference (fit - alone) over the same windows with its standard error, through the
 main job's evaluation helpers (:mod:`reap_modifier.evaluation`).
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from window_metrics import held_out_windows, per_window_metrics
+from window_metrics import add_split_argument, held_out_windows, per_window_metrics
 
 from reap_modifier.demo.config import LANGS
 
@@ -60,13 +61,16 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8)
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
+    add_split_argument(ap)
     args = ap.parse_args()
     if args.quick:
         args.tokens_per_lang, args.eval_windows, args.steps, args.seq_len = 512, 4, 5, 64
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     calib = {lang: D.load_split(args.data_dir, lang, "calib") for lang in LANGS}
-    windows = held_out_windows(tokenizer, args.eval_windows, args.seq_len, args.data_dir)
+    windows = held_out_windows(
+        tokenizer, args.eval_windows, args.seq_len, args.data_dir, split=args.split
+    )
 
     def fresh():
         return load_model(args.model, packed=False, dtype="float32")

@@ -1,8 +1,8 @@
 """Router fit on tiny models: layer-local relative error before/after, per router kind.
 
-Runs the tiny test models (tests/tiny_models.py) through a forward pass, captures every
+Runs the tiny test models (tests/helpers/tiny_models.py) through a forward pass, captures every
 MoE block's input and output, cuts each layer to half its experts (lowest router-row
-norm dropped), fits the router with :func:`reap_modifier.router_fit.fit_router` and
+norm dropped), fits the router with :func:`reap_modifier.post_cut.router_fit.fit_router` and
 prints the losses; ``--lr`` / ``--steps`` compare settings side by side, and
 ``--lbfgs`` adds a quasi-Newton alternative (torch's L-BFGS with strong-Wolfe line
 search on the same loss and parametrisation, ``steps`` iterations, selection
@@ -21,15 +21,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
+import paths  # noqa: E402,F401  (tests/helpers and tests/oracles by name)
 
 from reap_modifier.models import find_moe_architecture  # noqa: E402
-from reap_modifier.router_fit import (  # noqa: E402
+from reap_modifier.post_cut.block_fit import (  # noqa: E402
     HOLDOUT_EVERY,
     differentiable_dispatch,
-    fit_router,
     relative_error,
 )
+from reap_modifier.post_cut.router_fit import fit_router  # noqa: E402
 from reap_modifier.surgery import prune_layer  # noqa: E402
 
 CASES = {

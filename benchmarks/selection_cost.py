@@ -11,7 +11,7 @@ evaluation ``O(N E)``, its quadratic form ``O(N k^2)``, the cache ``O(N S H)``),
 script also prints the time extrapolated linearly to ``--extrapolate`` tokens.
 
 Prints the search's evaluations against the cost formula of
-:mod:`reap_modifier.block_selection`
+:mod:`reap_modifier.post_cut.block_selection`
 (``sum_s min(C, eligible_s) + [d > 1] steps + 1``) and the wall time split into
 the cache set-up and the search.
 
@@ -68,7 +68,7 @@ def k3_layer(intermediate: int, n_group: int, topk_group: int):
 
 
 def main() -> None:
-    from reap_modifier.block_selection import select_by_block_error
+    from reap_modifier.post_cut.block_selection import select_by_block_error
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=256)

@@ -10,14 +10,15 @@ each sparsity every layer is cut by:
 - ``reap_x_freq``: REAP x routed count (the sum of gate x norm);
 - ``man``: Mean Activation Norm (arXiv 2606.15716: mean output norm over routed tokens,
   gate-free; the scores file's ``ean_mean``);
-- ``block_error``: :func:`reap_modifier.block_selection.select_by_block_error` on 7 of
+- ``block_error``: :func:`reap_modifier.post_cut.block_selection.select_by_block_error` on 7 of
   every 8 calibration tokens, the worst language's error as the objective (``--pooled``
   adds ``block_pooled``: the pooled error).
 
 Judged by (1) the held-out layer-local error (every 8th calibration token, never used
 by the block-error search; REAP's statistics saw all tokens), pooled and worst language,
-per layer; (2) ``KL(unpruned || pruned)`` per language on the main job's held-out
-``eval`` windows (:mod:`window_metrics`), each layer cut with the layer's choice.
+per layer; (2) ``KL(unpruned || pruned)`` per language on held-out windows (the
+development split by default: ``--split``, :mod:`window_metrics`), each layer cut with the
+layer's choice.
 
     PYTHONPATH=src python benchmarks/selection_quality.py --out out/selection_quality.json
 """
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from window_metrics import held_out_windows, per_window_metrics
+from window_metrics import add_split_argument, held_out_windows, per_window_metrics
 
 from reap_modifier.demo.config import LANGS
 
@@ -64,12 +65,12 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from reap_modifier import REAPPruningModifier
-    from reap_modifier.block_selection import BlockErrorEvaluator, select_by_block_error
     from reap_modifier.demo import data as D
     from reap_modifier.demo.config import DEFAULT_MODEL
     from reap_modifier.demo.workspace import load_model
     from reap_modifier.evaluation import paired_difference
     from reap_modifier.models import find_moe_architecture
+    from reap_modifier.post_cut.block_selection import BlockErrorEvaluator, select_by_block_error
     from reap_modifier.scores import ExpertScores
     from reap_modifier.scores.keep_count import compute_keep_count
     from reap_modifier.scores.plan import PruningPlan, select_experts
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8)
     ap.add_argument("--pooled", action="store_true", help="also the pooled objective")
     ap.add_argument("--out", default=None)
+    add_split_argument(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
     t_start = time.time()
@@ -97,7 +99,9 @@ def main() -> None:
     labels = torch.cat(
         [torch.full((len(r),), LANGS.index(lang)) for r, lang in zip(rows, row_langs)]
     )
-    windows = held_out_windows(tokenizer, args.eval_windows, args.seq_len, args.data_dir)
+    windows = held_out_windows(
+        tokenizer, args.eval_windows, args.seq_len, args.data_dir, split=args.split
+    )
 
     def fresh():
         return load_model(args.model, packed=False, dtype="float32")

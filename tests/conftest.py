@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+import paths  # noqa: E402,F401  (tests/helpers and tests/oracles importable by name)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("REAP_SHA256_CACHE", "0")  # tests never write the user's hash cache
@@ -33,26 +35,29 @@ def make_tokenizer(vocab: int = 128):
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t0")
 
 
-def make_dataset(samples: list[torch.Tensor]):
-    """A tokenized ``datasets.Dataset`` from 1-D id tensors."""
+def make_dataset(samples: list[torch.Tensor], masks: list[torch.Tensor] | None = None):
+    """A tokenized ``datasets.Dataset`` from 1-D id tensors (attention masks all ones
+    unless ``masks`` gives one per sample)."""
     from datasets import Dataset
 
     ids = [s.tolist() for s in samples]
-    return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]})
+    mask = [m.tolist() for m in masks] if masks is not None else [[1] * len(i) for i in ids]
+    return Dataset.from_dict({"input_ids": ids, "attention_mask": mask})
 
 
-def calibrate(model, modifier, samples: list[torch.Tensor], vocab: int, **kw) -> None:
-    """``oneshot`` with one modifier over ``samples`` in order (the word-level tokenizer as the
-    processor); ``kw`` goes to ``oneshot`` (pipeline, batch size, ...)."""
+def calibrate(model, modifier, samples: list[torch.Tensor], vocab: int, masks=None, **kw) -> None:
+    """``oneshot`` with one modifier over ``samples`` (with ``masks``: their attention
+    masks) in order (the word-level tokenizer as the processor); ``kw`` goes to ``oneshot``
+    (pipeline, batch size, ``shuffle_calibration_samples=True``, ...)."""
     from llmcompressor import oneshot
 
+    kw.setdefault("shuffle_calibration_samples", False)
     oneshot(
         model=model,
         recipe=[modifier],
         processor=make_tokenizer(vocab),
-        dataset=make_dataset(samples),
+        dataset=make_dataset(samples, masks),
         num_calibration_samples=len(samples),
-        shuffle_calibration_samples=False,
         **kw,
     )
 
@@ -113,7 +118,7 @@ def fresh_process_logits(family: str, path: Path, ids: torch.Tensor, out: Path) 
 
     script = textwrap.dedent(f"""
         import sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path.insert(0, {str(Path(__file__).parent / "helpers")!r}); import paths
         from tiny_models import reload_class
         m = reload_class({family!r}).from_pretrained({str(path)!r}).eval()
         with torch.no_grad():

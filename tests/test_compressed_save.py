@@ -85,7 +85,7 @@ def test_reap_only_oneshot_writes_bit_exact_mxfp4(k3_mxfp4, tokenizer, load):
     ids = sample_input_ids(128, batch=1, seq=12, seed=2)
     script = textwrap.dedent(f"""
         import sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path.insert(0, {str(Path(__file__).parent / "helpers")!r}); import paths
         from tiny_models import reload_class
         m = reload_class("kimi_k3").from_pretrained({str(dst)!r}).eval()
         with torch.no_grad():

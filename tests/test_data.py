@@ -271,6 +271,29 @@ def test_eval_windows_shape_and_determinism():
     assert D.windows(list(range(10)), 4, drop_last=True) == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
+def test_development_split_is_the_paragraphs_the_evaluation_windows_never_read():
+    """The evaluation windows read a prefix of their seeded paragraph order; the development
+    split is the rest of that order, and its windows are drawn from it alone."""
+    from itertools import accumulate
+
+    torch = pytest.importorskip("torch")
+    recs = fixture_records(40)
+    order = D.shuffled(recs, 1)
+    ends = list(accumulate(len(r["text"]) for r in order))  # char_tok: one id per character
+    k = next(i for i, e in enumerate(ends) if e >= 5 * 32) + 1  # paragraphs the windows read
+    dev = D.development_records(recs, char_tok, 5, 32, 1)
+    assert dev == order[k:] and len(dev) == len(recs) - k > 0
+    read = [t for r in order[:k] for t in char_tok(r["text"])]
+    assert D.eval_windows(recs, char_tok, 5, 32, seed=1).flatten().tolist() == read[: 5 * 32]
+    w = D.dev_windows(recs, char_tok, 3, 16, seed=7, exclude=(5, 32, 1))
+    dev_ids = [t for r in D.shuffled(dev, 7) for t in char_tok(r["text"])]
+    assert w.flatten().tolist() == dev_ids[: 3 * 16]
+    assert not {r["doc"] for r in order[:k]} & {r["doc"] for r in dev}
+    with pytest.raises(ValueError, match="no development split is left"):
+        D.development_records(recs, char_tok, 1000, 32, 1)
+    assert torch.equal(w, D.dev_windows(recs, char_tok, 3, 16, seed=7, exclude=(5, 32, 1)))
+
+
 def test_encode_accepts_tokenizers_and_transformers_tokenizers():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -330,3 +353,20 @@ def test_real_corpora_splits_are_disjoint_and_filtered(corpora):
         assert all(D.keep_paragraph(r["text"], lang) for r in ev[:500])
         if lang != "code":
             assert len(D.source_counts(ev)) >= 3  # several sources in the held-out split
+
+
+def test_the_main_jobs_split_option_picks_evaluation_or_development_windows():
+    """``DemoConfig.split``: ``eval`` gives :func:`eval_windows`, ``dev`` as many windows of the
+    development split that leaves out exactly those evaluation windows."""
+    torch = pytest.importorskip("torch")
+    from reap_modifier.demo.config import DemoConfig
+    from reap_modifier.demo.inputs import quality_windows
+
+    recs = fixture_records(40)
+    sizes = dict(eval_windows=4, eval_seq_len=16, eval_seed=3, dev_seed=5)
+    ev = quality_windows(recs, char_tok, DemoConfig(**sizes))
+    dev = quality_windows(recs, char_tok, DemoConfig(**sizes, split="dev"))
+    assert torch.equal(ev, D.eval_windows(recs, char_tok, 4, 16, seed=3))
+    assert torch.equal(dev, D.dev_windows(recs, char_tok, 4, 16, seed=5, exclude=(4, 16, 3)))
+    with pytest.raises(ValueError, match="split must be"):
+        quality_windows(recs, char_tok, DemoConfig(**sizes, split="test"))

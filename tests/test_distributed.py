@@ -21,7 +21,7 @@ from dist_worker import CASES, UNPADDED_TWIN
 
 from reap_modifier.scores import ExpertScores
 
-WORKER = Path(__file__).parent / "dist_worker.py"
+WORKER = Path(__file__).parent / "helpers" / "dist_worker.py"
 
 
 def _run(out: Path, torchrun: bool) -> None:

@@ -23,7 +23,7 @@ from reap_modifier.gguf import prepare_gguf_rewrite
 from reap_modifier.scores.plan import PruningPlan
 
 PYTHON = Path(os.environ.get("REAP_LLAMA_CPP_PYTHON", ROOT / ".venv-llama-cpp/bin/python"))
-PROBE = Path(__file__).parent / "llama_cpp_probe.py"
+PROBE = Path(__file__).parent / "oracles" / "llama_cpp_probe.py"
 IDS = [1, 17, 5, 99, 42, 8, 63, 120, 3, 77, 31, 12]
 KEPT = {
     "qwen3_moe": {0: [1, 2, 5, 7, 8, 11, 12, 15], 1: [0, 3, 4, 6, 9, 10, 13, 14]},

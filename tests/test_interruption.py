@@ -52,7 +52,8 @@ def ckpt(tmp_path_factory):
 def _env(pause: str | None, marker: Path) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(HERE.parent / "src"), str(HERE), env.get("PYTHONPATH", "")]
+        [str(HERE.parent / "src"), str(HERE / "helpers"), str(HERE / "oracles"), str(HERE)]
+        + [env.get("PYTHONPATH", "")]
     )
     env["REAP_SHA256_CACHE"] = "0"
     env["REAP_CHUNK_MB"] = "0.01"  # ~10 KiB chunks: a shard takes several writes

@@ -16,12 +16,17 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).parent
+#: where the suite's modules live: the tests, the oracles, the input builders
+FOLDERS = (TESTS, TESTS / "oracles", TESTS / "helpers")
 PRODUCT = "reap_modifier"
 
 #: modules that compute reference values, and nothing else
 ORACLE_MODULES = {
     "oracles": "float64 brute-force routing, experts, saliency statistics and pruning",
     "generic_oracle": "masked routing of any family",
+    "ridge_oracle": "a block's output projections' ridge least squares, solved by numpy",
+    "bias_oracle": "float64 block outputs for any score-correction bias, single-move scans",
+    "checkpoint_oracle": "a saved checkpoint's tensors against the in-memory model and the source",
     "family_routing": "the hand-written router / bias table of the masked-routing oracle",
     "memory_probe": "which tensors are alive at once (the memory tests' measure)",
     "gguf_oracle": "safetensors pruned by hand and converted by llama.cpp's converter",
@@ -30,7 +35,12 @@ ORACLE_MODULES = {
 #: reference functions in modules that also build inputs with the product
 ORACLE_FUNCTIONS = {
     "eval_helpers": ["mean_nll"],
-    "mxfp4_fixtures": ["tree_sha256", "tensor_sha256", "load_tensors"],
+    "mxfp4_fixtures": [
+        "tree_sha256",
+        "tensor_sha256",
+        "load_tensors",
+        "kept_experts_are_source_bytes",
+    ],
     "test_evaluate": ["brute_force", "brute_repeat_run"],
     "test_evaluation": ["brute"],
     "test_input_gated": ["_brute_force"],
@@ -39,6 +49,7 @@ ORACLE_FUNCTIONS = {
 #: helper modules that compute no expected value
 INPUT_BUILDERS = {
     "badinput": "corrupts checkpoints and scores files, runs the CLI",
+    "paths": "puts tests/helpers and tests/oracles on sys.path",
     "conftest": "fixtures: tokenizer, datasets, saved tiny models",
     "dist_worker": "runs the modifier under torchrun",
     "eval_models": "tiny checkpoints for reap eval, pruned by the rewriter",
@@ -65,7 +76,7 @@ def product_imports(tree: ast.AST) -> list[str]:
 
 def local_imports(tree: ast.AST) -> set[str]:
     """The ``tests/`` modules ``tree`` imports."""
-    local = {p.stem for p in TESTS.glob("*.py")}
+    local = set(_modules())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -100,12 +111,26 @@ def function_violations(tree: ast.Module, name: str) -> list[str]:
     return product_imports(funcs[0]) + sorted(used & bound)
 
 
+def _modules() -> dict[str, Path]:
+    """Every module of the suite by name (the names are unique: they are imported flat)."""
+    return {p.stem: p for folder in FOLDERS for p in folder.glob("*.py")}
+
+
 def _parse(module: str) -> ast.Module:
-    return ast.parse((TESTS / f"{module}.py").read_text())
+    return ast.parse(_modules()[module].read_text())
+
+
+def test_oracle_modules_live_in_their_folder():
+    """``tests/oracles/`` holds the oracle modules and nothing else; no other module sits
+    there or shares a name with one."""
+    there = {p.stem for p in (TESTS / "oracles").glob("*.py")}
+    assert there == set(ORACLE_MODULES)
+    names = [p.stem for folder in FOLDERS for p in folder.glob("*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
 
 
 def test_every_helper_module_is_classified():
-    helpers = {p.stem for p in TESTS.glob("*.py") if not p.stem.startswith("test_")}
+    helpers = {n for n in _modules() if not n.startswith("test_")}
     classified = set(ORACLE_MODULES) | set(INPUT_BUILDERS) | set(ORACLE_FUNCTIONS)
     missing = sorted(helpers - classified)
     assert not missing, f"classify {missing} in tests/test_oracle_independence.py"

@@ -1,5 +1,5 @@
-"""Self-checks of the test scaffolding: tiny models (tests/tiny_models.py) and
-the float64 brute-force oracles (tests/oracles.py) against the native models.
+"""Self-checks of the test scaffolding: tiny models (tests/helpers/tiny_models.py) and
+the float64 brute-force oracles (tests/oracles/oracles.py) against the native models.
 
 These tests exercise no project code; they make sure the references that the
 modifier's tests rely on are themselves right.

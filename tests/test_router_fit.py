@@ -13,14 +13,9 @@ import torch
 from tiny_models import build_tiny, capture_block_io, sample_input_ids
 
 from reap_modifier.models import find_moe_architecture
-from reap_modifier.router_fit import (
-    RouterFitError,
-    block_output,
-    differentiable_dispatch,
-    fit_router,
-    relative_error,
-    router_fit_problem,
-)
+from reap_modifier.post_cut import RouterFitError
+from reap_modifier.post_cut.block_fit import block_output, differentiable_dispatch, relative_error
+from reap_modifier.post_cut.router_fit import fit_router, router_fit_problem
 from reap_modifier.surgery import prune_layer
 
 #: router kinds: softmax top-k (renormalised), sigmoid + score-correction bias with
@@ -110,7 +105,7 @@ def test_fit_lowers_the_layer_local_loss(family):
 
 
 def _fit_rows(x):
-    from reap_modifier.router_fit import HOLDOUT_EVERY
+    from reap_modifier.post_cut.block_fit import HOLDOUT_EVERY
 
     rows = torch.ones(x.shape[0], dtype=torch.bool)
     rows[HOLDOUT_EVERY - 1 :: HOLDOUT_EVERY] = False

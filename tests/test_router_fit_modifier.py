@@ -1,9 +1,9 @@
 """``calibrate_router`` on ``REAPPruningModifier``: wiring, bit-exact save, reload, bad input.
 
-Oracles: the saved expert tensors hash equal to the source's kept experts; the fitted
-router tensors in the output are exactly the in-memory ones (and ``reap verify``
-names them and the reason); the reloaded checkpoint's logits equal the in-memory
-fitted model's.
+Oracles: the saved expert tensors hash equal to the source's kept experts; every saved
+tensor equals the in-memory model's, and the tensors whose bytes differ from the source's
+kept rows are the routers (``reap verify`` names them and the reason); the reloaded
+checkpoint's logits equal the in-memory fitted model's.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import json
 
 import pytest
 import torch
+from checkpoint_oracle import differs_from_source, saved_equals_memory
 from conftest import calibration_samples, fresh_process_logits, make_dataset, save_and_reload
 from mxfp4_fixtures import (
     build_mxfp4_checkpoint,
     kept_experts_are_source_bytes,
-    load_tensors,
     tree_sha256,
 )
 from pydantic import ValidationError
@@ -24,7 +24,7 @@ from tiny_models import build_tiny, reload_class, sample_input_ids
 
 from reap_modifier import REAPPruningModifier
 from reap_modifier.checkpoint.verify import verify_checkpoint
-from reap_modifier.router_fit import RouterFitError
+from reap_modifier.post_cut import PostCutError
 
 
 def _oneshot(model, modifier, tokenizer, data=True, **kwargs):
@@ -148,19 +148,14 @@ def test_mxfp4_experts_bit_exact_router_fitted_and_reload_equal(tmp_path, tokeni
     experts = kept_experts_are_source_bytes(src, dst, plan.kept)
     assert experts == len(plan.kept) * 8 * 3 * 2  # layers x kept x w1/w2/w3 x packed+scale
 
-    # the router weights are the in-memory fitted rows; reap verify says why they differ
-    saved = load_tensors(dst)
-    fitted = {
-        f"{layer}.{rel}": t
-        for layer, named in modifier._fitted_tensors.items()
-        for rel, t in named.items()
-    }
-    assert sorted(fitted) == sorted(f"{layer}.gate.weight" for layer in plan.kept)
-    for name, tensor in fitted.items():
-        assert torch.equal(saved[name], tensor.to(saved[name].dtype)), name
+    # every saved tensor is the in-memory model's; only the router rows differ from the
+    # source's kept rows, and reap verify names them and says why
+    assert saved_equals_memory(model, dst) > experts
+    fitted = differs_from_source(src, dst, plan.kept)
+    assert fitted == sorted(f"{layer}.gate.weight" for layer in plan.kept)
     report = verify_checkpoint(dst, source=src)
     assert report.ok, report.summary()
-    assert sorted(report.info["differs_from_source"]) == sorted(fitted)
+    assert sorted(report.info["differs_from_source"]) == fitted
     assert all(
         "router fitted after the cut" in why for why in report.info["differs_from_source"].values()
     )
@@ -216,7 +211,7 @@ def test_router_the_adapter_cannot_express(k3_source, tokenizer):
     gate.moe_router_activation_func = "tanh"
     modifier = REAPPruningModifier(sparsity=0.5, calibrate_router=True, validate_fit=False)
     with pytest.raises(
-        RouterFitError, match=r"layers\.1\.block_sparse_moe: router activation 'tanh'"
+        PostCutError, match=r"layers\.1\.block_sparse_moe: router activation 'tanh'"
     ):
         _oneshot(model, modifier, tokenizer)
     assert model.config.text_config.num_experts == 16

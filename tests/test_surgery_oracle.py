@@ -96,7 +96,7 @@ def test_kimi_bias_stays_a_parameter_and_deepseek_bias_a_buffer():
 RELOAD_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
-    sys.path.insert(0, {tests!r})
+    sys.path.insert(0, {tests!r}); import paths
     from tiny_models import reload_class
     jobs = json.loads(open(sys.argv[1]).read())
     out = {{}}
@@ -168,7 +168,7 @@ def pruned_checkpoints(tmp_path_factory, tokenizer):
     jobs_file = root / "jobs.json"
     jobs_file.write_text(json.dumps(jobs))
     script = root / "reload.py"
-    script.write_text(RELOAD_SCRIPT.format(tests=str(HERE)))
+    script.write_text(RELOAD_SCRIPT.format(tests=str(HERE / "helpers")))
     proc = subprocess.run(
         [sys.executable, str(script), str(jobs_file)], capture_output=True, text=True
     )

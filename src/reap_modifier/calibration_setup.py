@@ -1,5 +1,6 @@
-"""How a ``REAPPruningModifier`` prepares and tidies up calibration: compressed experts
-kept packed or the model decompressed, the sequential trace checked to reach every MoE
+"""How a ``REAPPruningModifier`` prepares and tidies up calibration: the recipe's other
+modifiers, compressed experts kept packed or the model decompressed (and made computable
+for each post-cut stage), the sequential trace checked to reach every MoE
 block, the resumable calibration checkpoint opened, and ``moe_calibrate_all_experts``
 restored.
 
@@ -24,7 +25,28 @@ from .calibration.packed import PackedCompute, check_module_formats, compressed_
 from .calibration.routed_only import set_calibrate_all_experts
 from .models.refusals import check_traced
 
-__all__ = ["CalibrationSetup"]
+__all__ = ["POST_CUT_IDENTITY", "CalibrationSetup"]
+
+#: the recipe fields a resumed post-cut step must share with the run that wrote its results
+POST_CUT_IDENTITY = (
+    "sparsity",
+    "num_experts_to_keep",
+    "divisible_by",
+    "saliency",
+    "selection",
+    "selection_candidates",
+    "selection_drops",
+    "selection_groups",
+    "calibrate_router",
+    "calibrate_bias",
+    "compensate",
+    "router_fit_tokens",
+    "router_fit_steps",
+    "router_fit_lr",
+    "compensation_steps",
+    "compensation_lr",
+    "validate_fit",
+)
 
 
 class CalibrationSetup:
@@ -56,13 +78,18 @@ class CalibrationSetup:
                 f"checkpoint_dir resumes REAP's statistics only, but the recipe also runs "
                 f"{', '.join(others)}; run REAP in a recipe of its own or remove checkpoint_dir"
             )
-        recipe = {k: getattr(self, k) for k in ("ignore", "calibration_source", "dequantize")}
+        fields = ("ignore", "calibration_source", "dequantize")
+        if self.fits_after_cut:  # the post-cut step resumes too: its results are the cut's
+            fields += POST_CUT_IDENTITY
+        recipe = {k: getattr(self, k) for k in fields}
         identity = calibration_identity(
             model, self._arch, self._fingerprint(), recipe, distributed.world_size()
         )
         self._checkpoint = CalibrationCheckpoint(
             self.checkpoint_dir, identity, self._observer.accumulators, self._cpu_group
         )
+        if self._post_cut is not None:  # the post-cut step resumes with the calibration
+            self._checkpoint.on_restore.append(self._post_cut.restored)
         registries.set_sequential_checkpoint(model, self._checkpoint)
 
     def _prepare_weights(self, model: torch.nn.Module) -> None:
@@ -87,6 +114,24 @@ class CalibrationSetup:
             return
         self._packed = PackedCompute(model, self.dequantize)
         self._packed.attach()
+
+    def _other_modifiers(self) -> list[str]:
+        from llmcompressor.core import active_session
+
+        recipe = active_session().lifecycle.recipe
+        return [
+            type(m).__name__
+            for m in (recipe.modifiers if recipe is not None else [])
+            if not isinstance(m, type(self))
+        ]
+
+    def _packed_overlay(self, model: torch.nn.Module) -> PackedCompute | None:
+        """Packed experts made computable for one post-cut stage (``None``: not packed)."""
+        if not compressed_modules(model):
+            return None
+        packed = PackedCompute(model, "expert" if self.dequantize == "expert" else "layer")
+        packed.attach()
+        return packed
 
     def _other_calibrating_modifiers(self) -> list[str]:
         """Other modifiers of this calibration that need data (the independent

@@ -10,6 +10,7 @@ keeps upstream's experts. Scores, plans, manifests, other saliency criteria,
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 import torch
@@ -32,6 +33,7 @@ from .calibration.packed import (
 from .calibration.progress import LayerProgress
 from .calibration.routed_only import calibrate_all_experts, set_calibrate_all_experts
 from .calibration_setup import CalibrationSetup, sample_positions
+from .checkpoint.compressed_save import saved_dtypes
 from .checkpoint.saved_config import fix_saved_expert_counts, spell_out_scoring_func
 from .decision import CutDecision
 from .layerwise import LayerwiseCut
@@ -39,7 +41,12 @@ from .models import MoEArchitecture, find_moe_architecture
 from .models.loading import register_kimi_auto_classes
 from .models.refusals import check_prunable
 from .outputs import ModifierOutputs
-from .post_cut import FitSettings, PostCutFit, check_post_cut_request
+from .post_cut import (
+    PostCutSettings,
+    PostCutStep,
+    asks_post_cut,
+    check_post_cut_request,
+)
 from .scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores
 from .scores.keep_count import KeepCount, PlanError, compute_keep_count
 from .scores.plan import PruningPlan
@@ -84,73 +91,49 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
     - on_calibration_end
         - remove hooks, restore the flag; reduce the statistics over ranks, decide and
           cut every layer (decision.py), write report, scores and manifest
-          (outputs.py); run the post-cut fits (post_cut.py)
+          (outputs.py); with a post-cut step (post_cut/): choose, cut, fit
     - on_finalize
         - the same cut and fits if calibration never ended, then choose the save path
           (outputs.py) and release the process group
+
+    Fields (each with its default and rules in ``docs/recipe.md``):
 
     :param sparsity: fraction of experts to drop per layer, in (0, 1)
     :param num_experts_to_keep: experts to keep per layer (instead of ``sparsity``)
     :param divisible_by: round the kept count down to a multiple (e.g. 8 for EP)
     :param saliency: ranking criterion: ``reap`` (default), ``frequency``,
-        ``weighted_frequency``, ``ean``, ``ean_mean``, ``max_norm``
-    :param selection: ``saliency`` (default) keeps the top experts by ``saliency``;
-        ``block_error`` re-chooses the same count per layer by the pruned block's re-routed
-        output error on calibration tokens (``docs/selection.md``), trying the
-        ``selection_candidates`` lowest-ranked experts per step, dropping ``selection_drops``
-    :param selection_groups: with ``block_error``, a string column of the calibration
-        dataset naming each sample's group (e.g. its language): minimise the worst group's
-        error instead of the pooled one
-    :param ignore: module-name regexes (``re.search``; ``re:`` prefix accepted) of
-        MoE blocks to skip; refused if it leaves some MoE layers unpruned
-    :param report_path: ``.json`` with ``{layer: [retained original ids]}`` (upstream format)
+        ``weighted_frequency``, ``ean``, ``ean_mean``, ``max_norm``, or a weight baseline
+    :param selection: ``saliency`` (default) or ``block_error``: the same count re-chosen
+        per layer by the block's re-routed output error (``docs/selection.md``), trying the
+        ``selection_candidates`` lowest-ranked experts per step, dropping ``selection_drops``;
+        ``selection_groups``: a string column of the calibration dataset naming each
+        sample's group, whose worst error is minimised instead of the pooled one
+    :param ignore: module-name regexes of MoE blocks to skip (refused if partial)
+    :param report_path: ``.json`` ``{layer: [retained original ids]}`` (upstream format)
     :param scores_path: write the raw per-layer statistics (safetensors + metadata)
     :param manifest_path: write ``pruning_manifest.json``
     :param calibration_source: label of the calibration corpus (per-source counts)
     :param scores_in: cut from a precomputed scores file instead of calibrating
     :param plan_in: apply a precomputed plan (``reap cut`` output) instead of calibrating
     :param seed: seed of the ``random`` baseline
-    :param dequantize: for a model whose experts are compressed-tensors packed
-        (MXFP4 ...): ``layer`` (default) keeps them packed and dequantizes one MoE
-        layer's experts at a time while it is computed, ``expert`` one expert
-        projection per call (least memory), ``model`` decompresses the whole model
-        before calibration (the dense model's memory). Other modifiers in the recipe
-        imply ``model``.
-    :param propagate_pruned: cut each MoE layer as soon as its sequential calibration
-        epoch ends, so later layers are observed on the pruned model (llm-compressor's
-        own modifier does this; with the same recipe, data and ``propagate_error`` it
-        keeps the same experts). Default ``false``: every layer is observed on the
-        unpruned model and cut at calibration end, so the scores cut any tier. With
-        the basic pipeline (one epoch for the whole model) both are the same. Its
-        scores file holds only for its own cut; ``reap cut`` and ``scores_in`` refuse
-        another keep count or criterion.
-    :param calibrate_router: after the cut, fit each MoE layer's router rows so the
-        pruned block's output matches the unpruned block's on calibration tokens
-        (experts untouched; see ``docs/router-calibration.md``); needs calibration
-        data also with ``scores_in`` / ``plan_in`` / weight baselines (then for the
-        fit only, and the cut waits for the end of calibration)
-    :param calibrate_bias: after the cut (and the router fit), fit the score-correction
-        bias (``e_score_correction_bias``), which moves the top-k selection only
-    :param compensate: after the cut, refit the MoE block's dense tensors (shared
-        experts, a latent MoE's up-projection) with the router rows, so the pruned block
-        matches the unpruned one (closed form, then gradient; routed experts untouched;
-        see ``docs/router-calibration.md``)
-    :param router_fit_tokens: calibration tokens per MoE layer the post-cut fits use
-        (the first ones seen; each layer holds its inputs and outputs on them in memory,
-        or on disk with ``fit_spill_dir``)
-    :param router_fit_steps: optimizer steps per layer
-    :param router_fit_lr: step size, relative to the root-mean-square router weight
-    :param compensation_steps: optimizer steps per layer of ``compensate``
-    :param compensation_lr: its step size, relative to each tensor's root-mean-square
-    :param validate_fit: hold out every 8th calibration batch from the post-cut fits and
-        keep each fitted component (router, bias, dense) only where it lowers the whole
-        model's KL to the unpruned model on them (default); ``false`` keeps every one
-    :param fit_spill_dir: write the post-cut fits' captured block inputs and outputs
-        there instead of holding them in memory
-    :param checkpoint_dir: make a sequential calibration resumable: each layer's
-        statistics and the next layer's inputs are saved there as its epoch ends, and a
-        rerun with the same model, recipe, data and world size resumes after the last
-        complete layer (anything else is refused); see ``docs/distributed.md``
+    :param dequantize: compressed-tensors experts: ``layer`` (default) keeps them packed
+        and dequantizes one MoE layer at a time, ``expert`` one projection per call,
+        ``model`` decompresses the whole model first (implied by other modifiers)
+    :param propagate_pruned: cut each MoE layer as its sequential calibration epoch ends,
+        as llm-compressor's own modifier does (its scores then hold for its own cut only)
+    :param calibrate_router: / ``calibrate_bias`` / ``compensate``: the post-cut fits of
+        the router rows, the score-correction bias, the dense tensors (``post_cut/``,
+        ``docs/router-calibration.md``); they need calibration data also with
+        ``scores_in`` / ``plan_in`` / weight baselines
+    :param router_fit_tokens: calibration tokens per MoE layer the post-cut step uses;
+        ``router_fit_steps`` / ``router_fit_lr``, ``compensation_steps`` /
+        ``compensation_lr``: the fits' Adam steps and relative step sizes
+    :param validate_fit: keep each fitted component only where it lowers the whole
+        model's KL on held-out calibration batches (default)
+    :param fit_spill_dir: keep the post-cut step's captured rows on disk
+    :param checkpoint_dir: make a sequential calibration resumable: a rerun with the same
+        model, recipe and calibration samples resumes after the last complete layer,
+        whatever the order they are drawn in (``docs/distributed.md``)
 
     The calibration-free baselines ``router_l1`` (compressed-tensors'
     MagnitudeExpertPruner criterion), ``router_signed_sum`` and ``random`` rank experts
@@ -209,7 +192,7 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
     _layerwise: LayerwiseCut | None = PrivateAttr(default=None)
     _source_fingerprint: str | None = PrivateAttr(default=None)
     _restore_calibrate_all: bool | None = PrivateAttr(default=None)
-    _post_cut: PostCutFit | None = PrivateAttr(default=None)
+    _post_cut: PostCutStep | None = PrivateAttr(default=None)
     _ranking: dict | None = PrivateAttr(default=None)
     _capture: BlockIOCapture | None = PrivateAttr(default=None)
     _deferred_plan: PruningPlan | None = PrivateAttr(default=None)
@@ -257,15 +240,7 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
     def fits_after_cut(self) -> bool:
         """Whether the post-cut step runs (a block-error selection, or a fit of the router,
         the bias or the dense tensors): the cut waits for the blocks' captured inputs."""
-        return (
-            self.calibrate_router
-            or self.calibrate_bias
-            or self.compensate
-            or self.selection == "block_error"
-        )
-
-    def _fit_fields(self) -> str:
-        return recipe_rules.fit_fields(self)
+        return asks_post_cut(self)
 
     @property
     def calibrates(self) -> bool:
@@ -337,16 +312,6 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
                 )
         return True
 
-    def _other_modifiers(self) -> list[str]:
-        from llmcompressor.core import active_session
-
-        recipe = active_session().lifecycle.recipe
-        return [
-            type(m).__name__
-            for m in (recipe.modifiers if recipe is not None else [])
-            if not isinstance(m, REAPPruningModifier)
-        ]
-
     def on_calibration_start(self, state: State, event: Event, **kwargs) -> None:
         if self._capture is not None:
             self._capture.attach()
@@ -392,7 +357,7 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
             self._checkpoint.complete()  # the last layer's statistics, before any decision
         if self._plan is None and self._observer is not None:
             self._decide_and_prune(state.model)
-        self._fit_routers(state.model)
+        self._run_post_cut(state.model)
 
     def on_finalize(self, state: State, **kwargs) -> bool:
         # never restore the calibrate-all flag here: finalize runs after oneshot's own
@@ -409,7 +374,7 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
         self._release_packed()
         if self._plan is None and self._deferred_plan is None:
             self._decide_and_prune(state.model)
-        self._fit_routers(state.model)
+        self._run_post_cut(state.model)
         self._choose_save_path(state.model)
         if self._cpu_group is not None:
             import torch.distributed as dist
@@ -422,16 +387,19 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
 
     def _apply(self, model: torch.nn.Module, plan: PruningPlan) -> None:
         if self._capture is not None:
-            # router fit: cut once the unpruned blocks' outputs are captured
+            # post-cut step: cut once the unpruned blocks' outputs are captured
             self._deferred_plan = plan
             return
+        self._cut_model(model, plan)
+        if distributed.is_source_process():
+            self._write_outputs(plan)
+
+    def _cut_model(self, model: torch.nn.Module, plan: PruningPlan) -> None:
         self._plan = plan
         apply_plan(model, self._arch, plan)
         # before any output is written: every tensor cut, one forward runs (packed
         # experts: the checkpoint rewriter verifies instead of decompressing the model)
         self._check_whole(model, plan)
-        if distributed.is_source_process():
-            self._write_outputs(plan)
 
     def _check_whole(self, model: torch.nn.Module, plan: PruningPlan) -> None:
         observer = self._observer
@@ -444,43 +412,35 @@ class REAPPruningModifier(CalibrationSetup, CutDecision, ModifierOutputs, Modifi
             block_inputs=observer.block_inputs if observer is not None else None,
         )
 
-    # -- router calibration ------------------------------------------------------------
+    # -- the post-cut step (post_cut/) --------------------------------------------------
 
     def _check_post_cut(self, state: State) -> None:
         """Refuse what the post-cut step cannot do, before any model work."""
-        settings = FitSettings.from_recipe(self)
-        check_post_cut_request(
-            state,
-            self._arch,
-            settings.components,
-            self._fit_fields(),
-            type(self),
-            selection=settings.selection,
-        )
-        self._post_cut = PostCutFit(self._arch, settings)
+        settings = PostCutSettings.from_recipe(self)
+        check_post_cut_request(state, self._arch, settings, type(self))
+        self._post_cut = PostCutStep(self._arch, settings)
 
-    def _fit_routers(self, model: torch.nn.Module) -> None:
-        """The post-cut step: apply the cut (deferred until every MoE block's unpruned
-        inputs and outputs were captured; a block-error selection re-chooses its experts
-        first), then fit and validate each component (:mod:`.post_cut`)."""
-        post_cut = self._post_cut
-        if self._capture is None or self._deferred_plan is None or post_cut is None:
+    def _run_post_cut(self, model: torch.nn.Module) -> None:
+        """The post-cut step around the cut deferred until every MoE block's unpruned
+        inputs and outputs were captured: choose the plan (a block-error selection may
+        re-choose its experts), cut, fit and validate each component; then write the
+        outputs, once."""
+        step = self._post_cut
+        if self._capture is None or self._deferred_plan is None or step is None:
             return
         self._capture = None  # the cut is no longer deferred
         plan, self._deferred_plan = self._deferred_plan, None
-
-        def overlay():
-            if not compressed_modules(model):
-                return None
-            packed = PackedCompute(model, "expert" if self.dequantize == "expert" else "layer")
-            packed.attach()
-            return packed
-
-        post_cut.run(model, plan, self._ranking or {}, lambda p: self._apply(model, p), overlay)
-        self._router_fit = post_cut.record
-        self._fitted_tensors = post_cut.tensors
+        overlay = partial(self._packed_overlay, model)
+        try:
+            plan = step.choose(model, plan, self._ranking or {}, overlay)
+            self._cut_model(model, plan)
+            step.settings.saved_dtype = saved_dtypes(model)  # the fits are rounded to it
+            self._router_fit = step.fit(model, overlay)
+        finally:
+            step.close()  # the captured rows and their spilled files, also on failure
+        self._fitted_tensors = step.tensors
         if distributed.is_source_process():
-            self._write_outputs(self._plan)  # the manifest records the fit
+            self._write_outputs(plan)  # the manifest records the fit
 
     @property
     def router_fit(self) -> dict | None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from .post_cut import stage_fields
 from .scores import BASELINE_METHODS
 from .scores.keep_count import check_keep_spec
 
@@ -22,7 +23,6 @@ __all__ = [
     "check_recipe",
     "check_scores_suffix",
     "check_sparsity",
-    "fit_fields",
 ]
 
 
@@ -56,21 +56,6 @@ def check_input_exists(v: str | None, field: str) -> str | None:
     return v
 
 
-def fit_fields(recipe: BaseModel) -> str:
-    """The post-cut fit fields ``recipe`` turns on, as a recipe names them."""
-    on = [
-        f
-        for f, v in (
-            ("calibrate_router", recipe.calibrate_router),
-            ("calibrate_bias", recipe.calibrate_bias),
-            ("compensate", recipe.compensate),
-            ("selection: block_error", recipe.selection == "block_error"),
-        )
-        if v
-    ]
-    return " / ".join(on)
-
-
 def check_recipe(recipe: BaseModel) -> None:
     """The rules between fields of ``recipe`` (a ``REAPPruningModifier``): the keep
     count, inputs that replace calibration, options that need calibration or a fit."""
@@ -82,8 +67,8 @@ def check_recipe(recipe: BaseModel) -> None:
             if not recipe.calibrates
             else "propagate_pruned cuts layers during calibration"
             if recipe.propagate_pruned
-            else f"{fit_fields(recipe)} hold(s) every layer's inputs until the end"
-            if recipe.fits_after_cut
+            else "fit_spill_dir: with checkpoint_dir the post-cut step's rows are kept there"
+            if recipe.fit_spill_dir is not None
             else None
         )
         if clash:
@@ -147,6 +132,6 @@ def _check_fit_options(recipe: BaseModel) -> None:
         raise ValueError("plan_in fixes the kept experts; remove `selection: block_error`")
     if recipe.fits_after_cut and recipe.propagate_pruned:
         raise ValueError(
-            f"{fit_fields(recipe)} fit(s) each block against the unpruned block, which "
+            f"{stage_fields(recipe)} fit(s) each block against the unpruned block, which "
             "propagate_pruned never sees after the first layer; use one of the two"
         )

@@ -41,7 +41,8 @@ _BATCH_LISTENERS: list[Callable[[list[dict]], None]] = []
 
 def add_calibration_batch_listener(listener: Callable[[list[dict]], None]) -> None:
     """Call ``listener(batches: list[dict])`` whenever the sequential pipeline caches
-    the calibration batches (in the order ``state.current_batch_idx`` indexes)."""
+    the calibration batches (in the order ``state.current_batch_idx`` indexes: a resumed
+    calibration's recorded order, see :class:`SequentialCheckpoint`)."""
     if listener not in _BATCH_LISTENERS:
         _BATCH_LISTENERS.append(listener)
 
@@ -93,10 +94,12 @@ class SequentialCheckpoint(Protocol):
     def traced(self, count: int) -> None:
         """The pipeline traced ``count`` subgraphs (raise when a resumed run's differ)."""
 
-    def restore(self, cache: object, batches: list[dict]) -> None:
+    def restore(self, cache: object, batches: list[dict]) -> list[dict]:
         """The activations cache is built from ``batches`` (``input_ids`` /
-        ``attention_mask`` per batch): check the data, and when resuming replace the
-        cache's contents with the saved inputs of the first subgraph still to run."""
+        ``attention_mask`` per batch, in the data loader's order): check the data, and
+        when resuming replace the cache's contents with the saved inputs of the first
+        subgraph still to run. Returns the batches in the order the cache holds them
+        then (the calibration-batch listeners get these)."""
 
     def skips(self, index: int) -> bool:
         """Whether subgraph ``index`` was completed by an earlier run (it does nothing)."""

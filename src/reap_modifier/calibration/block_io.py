@@ -38,10 +38,11 @@ from typing import Any
 import torch
 
 from .. import registries
+from ..fileio import atomic_path
 from ..models import MoEArchitecture
 from .tokens import BatchTokenTracker, call_arguments
 
-__all__ = ["BlockIOCapture", "join_chunks", "row_positions"]
+__all__ = ["BlockIOCapture", "join_chunks"]
 
 _MODEL_INPUTS = ("input_ids", "attention_mask")
 
@@ -74,6 +75,7 @@ class BlockIOCapture:
         position: Callable[[int], int] | None = None,
         batch_size: int = 1,
         label_of: Callable[..., str] | None = None,
+        keep_files: bool = False,
     ):
         self.arch = arch
         self.max_tokens = int(max_tokens)
@@ -83,7 +85,7 @@ class BlockIOCapture:
         self.batch_size = max(int(batch_size), 1)
         self._register = register_hook
         self._model = model
-        #: per block: ``(position, x, y)`` or ``(position, spilled file)`` per sample
+        #: per block: ``(position, x, y)`` or ``(position, spilled file, rows)`` per sample
         self._chunks: dict[str, list[tuple]] = {n: [] for n in arch.layer_names}
         self._count: dict[str, int] = dict.fromkeys(arch.layer_names, 0)
         self._samples: dict[str, int] = dict.fromkeys(arch.layer_names, 0)
@@ -91,8 +93,13 @@ class BlockIOCapture:
         self._held: dict[int, dict[str, torch.Tensor]] = {}
         self._batches = BatchTokenTracker()
         self._label_of = label_of
+        #: spilled files stay after they are read (a resumable run reads them again)
+        self.keep_files = keep_files
         #: each calibrated sample's group by position (with ``label_of``)
         self.labels: dict[int, str] = {}
+        #: with ``label_of``, every sample's model inputs by position (token ids: small), so
+        #: a sample can be held out after the fact (:meth:`hold_out`)
+        self._inputs: dict[int, dict[str, torch.Tensor]] = {}
 
     def attach(self) -> None:
         self._batches.attach(self._model, self._register)
@@ -112,19 +119,63 @@ class BlockIOCapture:
         k = self.holdout_every
         return bool(k) and (position // self.batch_size) % k == k - 1
 
+    def hold_out(self, positions: set[int]) -> None:
+        """Hold out, after calibration, the samples at ``positions`` that this capture
+        calibrated (with ``label_of``): their inputs join the validation samples and their
+        rows leave every block's fitting rows."""
+        mine = {p for p in positions if p in self._inputs}
+        for pos in mine:
+            self._held[pos] = self._inputs[pos]
+        for name, chunks in self._chunks.items():
+            for chunk in chunks:
+                if chunk[0] in mine and isinstance(chunk[1], Path):
+                    chunk[1].unlink(missing_ok=True)
+            self._chunks[name] = [c for c in chunks if c[0] not in mine]
+
+    def resume(self, done: set[str]) -> None:
+        """A resumed calibration (``checkpoint_dir``) skips the layers ``done``: their rows
+        come back from the files an earlier run spilled (kept: ``keep_files``); every other
+        layer's files are removed (a layer the earlier run did not complete records again).
+        """
+        if self.spill_dir is None:
+            return
+        for name in self.arch.layer_names:
+            folder = self.spill_dir / name
+            for path in folder.glob(".*.tmp") if folder.is_dir() else []:
+                path.unlink()  # a file a killed run was writing
+            files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+            if name not in done:
+                for path in files:
+                    path.unlink()
+                continue
+            chunks = []
+            for path in files:
+                pos, rows = (int(v) for v in path.stem.split("-"))
+                chunks.append((pos, path, rows))
+            self._chunks[name] = chunks
+            self._count[name] = sum(c[2] for c in chunks)
+
     def validation_samples(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
         """The held-out samples' ``(position, model inputs)`` (CPU, ``[1, T]``)."""
         return sorted(self._held.items(), key=lambda item: item[0])
+
+    def chunk_rows(self, name: str) -> list[tuple[int, int]]:
+        """Block ``name``'s recorded ``(position, rows)`` per sample (nothing read)."""
+        return [
+            (c[0], c[2] if isinstance(c[1], Path) else c[1].shape[0])
+            for c in self._chunks.get(name, [])
+        ]
 
     def chunks(self, name: str) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Block ``name``'s recorded ``(position, inputs, outputs)`` per sample, released."""
         out = []
         for chunk in self._chunks.pop(name, []):
-            if len(chunk) == 2:
+            if isinstance(chunk[1], Path):
                 from safetensors.torch import load_file
 
                 loaded = load_file(str(chunk[1]))
-                Path(chunk[1]).unlink()
+                if not self.keep_files:
+                    chunk[1].unlink()
                 chunk = (chunk[0], loaded["x"], loaded["y"])
             out.append(chunk)
         return out
@@ -148,13 +199,16 @@ class BlockIOCapture:
         mask = batch.get("attention_mask")
         for j in range(ids.shape[0]):
             pos = self.position(first + j)
+            if self._label_of is None and not self.held_out(pos):
+                continue
+            kept = {"input_ids": ids[j : j + 1].detach().to("cpu", copy=True)}
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                kept["attention_mask"] = mask[j : j + 1].detach().to("cpu", copy=True)
             if self._label_of is not None:
-                row_mask = mask[j] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-                self.labels[pos] = self._label_of(ids[j], row_mask)
+                row_mask = kept["attention_mask"][0] if "attention_mask" in kept else None
+                self.labels[pos] = self._label_of(kept["input_ids"][0], row_mask)
+                self._inputs[pos] = kept
             if self.held_out(pos):
-                kept = {"input_ids": ids[j : j + 1].detach().to("cpu", copy=True)}
-                if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-                    kept["attention_mask"] = mask[j : j + 1].detach().to("cpu", copy=True)
                 self._held[pos] = kept
         return first + ids.shape[0]
 
@@ -204,9 +258,10 @@ class BlockIOCapture:
 
         folder = self.spill_dir / name
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{len(self._chunks[name]):06d}.safetensors"
-        save_file({"x": x.contiguous(), "y": y.contiguous()}, str(path))
-        self._chunks[name].append((pos, path))
+        path = folder / f"{pos:09d}-{x.shape[0]}.safetensors"
+        with atomic_path(path) as tmp:
+            save_file({"x": x.contiguous(), "y": y.contiguous()}, str(tmp))
+        self._chunks[name].append((pos, path, x.shape[0]))
 
 
 def join_chunks(chunks: list[tuple], max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,11 +273,3 @@ def join_chunks(chunks: list[tuple], max_tokens: int) -> tuple[torch.Tensor, tor
     x = torch.cat([c[1] for c in chunks])[:max_tokens]
     y = torch.cat([c[2] for c in chunks])[:max_tokens]
     return x, y
-
-
-def row_positions(chunks: list[tuple], max_tokens: int) -> torch.Tensor:
-    """The sample position of each row :func:`join_chunks` returns for ``chunks``."""
-    chunks = sorted(chunks, key=lambda c: c[0])
-    counts = torch.tensor([c[1].shape[0] for c in chunks], dtype=torch.long)
-    positions = torch.tensor([c[0] for c in chunks], dtype=torch.long)
-    return torch.repeat_interleave(positions, counts)[:max_tokens]

@@ -15,9 +15,21 @@ the sums, puts the saved activations into the cache and lets the first ``k`` sub
 do nothing: it resumes after layer ``k`` with no forward of the earlier layers. Anything
 else is refused before any forward, naming what differs.
 
+The data is matched batch by batch, by content: ``state.json`` records a sha256 per batch
+(:func:`batch_digest`), per rank, in the order the first run calibrated, and the rank
+files hold those batches' ``input_ids`` / ``attention_mask``. A rerun whose data loader
+yields the same batches in another order (``oneshot`` shuffles with torch's global
+generator, which most scripts never seed) resumes in the recorded order: the saved
+activations are in it, and the batches handed to the calibration-batch listeners (the
+observer's padding, the progress count) are the recorded ones, so the sums are added in
+the uninterrupted run's order, bit for bit. Under data parallel the batches are matched
+over all ranks together (a shuffled draw split across ranks may deal a batch to another
+rank on the rerun); each rank replays its own recorded batches from its file.
+
 Disk: one boundary of activations per rank (two while a new one is written): calibration
 tokens x hidden size x bytes per element, plus whatever else the pipeline caches
-(position embeddings, masks). Statistics are small (MoE layers x experts x 6 x 8 bytes).
+(position embeddings, masks) and the batches' token ids and masks (two int64 per token).
+Statistics are small (MoE layers x experts x 6 x 8 bytes).
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import hashlib
 import json
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -41,11 +54,12 @@ from .distributed import is_distributed, world_size
 __all__ = [
     "CalibrationCheckpoint",
     "CheckpointMismatch",
+    "batch_digest",
     "calibration_identity",
-    "dataset_digest",
+    "unmatched_batches",
 ]
 
-FORMAT = 1
+FORMAT = 2  # 2: per-batch digests, and the batches in the rank files
 STATE = "state.json"
 
 
@@ -74,17 +88,56 @@ def calibration_identity(
     }
 
 
-def dataset_digest(batches: list[dict]) -> str:
-    """sha256 of the calibration batches' token ids and attention masks, in order."""
-    h = hashlib.sha256(f"{len(batches)} batches".encode())
-    for batch in batches:
-        for key in ("input_ids", "attention_mask"):
-            value = batch.get(key)
-            if isinstance(value, torch.Tensor):
-                t = value.detach().to("cpu", torch.int64).contiguous()
-                h.update(f"{key}{tuple(t.shape)}".encode())
-                h.update(t.numpy().tobytes())
+def batch_digest(batch: dict) -> str:
+    """sha256 of one calibration batch's token ids and attention mask (with their shapes):
+    the batch's identity wherever the data loader puts it."""
+    h = hashlib.sha256()
+    for key in ("input_ids", "attention_mask"):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor):
+            t = value.detach().to("cpu", torch.int64).contiguous()
+            h.update(f"{key}{tuple(t.shape)}".encode())
+            h.update(t.numpy().tobytes())
     return h.hexdigest()
+
+
+def unmatched_batches(
+    recorded: list[list[str]], current: list[list[str]]
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The batches that differ between a checkpoint and this run, matched by content over
+    all ranks, whatever their order and rank (a batch that occurs n times must occur n
+    times in both).
+
+    :param recorded: per rank, the checkpoint's batch digests in the order calibrated
+    :param current: per rank, this run's batch digests in its data loader's order
+    :returns: ``(new, missing)``: ``(rank, index)`` of this run's batches the checkpoint
+        does not hold, and of the checkpoint's batches this run lacks
+    """
+    pool = Counter(d for digests in recorded for d in digests)
+    new = []
+    for rank, digests in enumerate(current):
+        for index, digest in enumerate(digests):
+            if pool[digest] > 0:
+                pool[digest] -= 1
+            else:
+                new.append((rank, index))
+    missing = []
+    for rank, digests in enumerate(recorded):
+        for index, digest in enumerate(digests):
+            if pool[digest] > 0:
+                pool[digest] -= 1
+                missing.append((rank, index))
+    return new, missing
+
+
+def _where(batches: list[tuple[int, int]], ranks: int, order: str) -> str:
+    """``rank 0's batch 3, ..., numbered in <order>`` (``batch 3`` for one process), the
+    first four; ``none`` for no batch."""
+    if not batches:
+        return "none"
+    named = [f"rank {r}'s batch {i}" if ranks > 1 else f"batch {i}" for r, i in batches[:4]]
+    more = f" and {len(batches) - 4} more" if len(batches) > 4 else ""
+    return f"{', '.join(named)}{more}, numbered in {order}"
 
 
 def _differences(theirs, ours, prefix: str = "") -> list[str]:
@@ -133,7 +186,14 @@ class CalibrationCheckpoint:
         self.resumed = 0
         self._committed = 0
         self._cache = None
-        self._datasets: list[str] | None = None
+        #: per rank, the batch digests in the order calibrated (``state.json``'s ``batches``)
+        self._digests: list[list[str]] | None = None
+        #: this rank's batches (``input_ids`` / ``attention_mask``) in the order calibrated
+        self._batches: list[dict] = []
+        #: called once the pipeline's cache is restored, with the MoE layers whose
+        #: statistics came from disk (empty on a fresh start): e.g. the post-cut capture
+        #: taking those layers' rows from the files an earlier run spilled
+        self.on_restore: list = []
 
     # -- checks -------------------------------------------------------------------------
 
@@ -152,15 +212,26 @@ class CalibrationCheckpoint:
     def _remedy(self) -> str:
         return f"pass another checkpoint_dir, or delete {self.dir} to start over"
 
+    def _check_batches(self, recorded: list[list[str]], current: list[list[str]]) -> None:
+        """Refuse data that is not the recorded batches (in any order, on any rank)."""
+        new, missing = unmatched_batches(recorded, current)
+        if not new and not missing:
+            return
+        now, then = sum(map(len, current)), sum(map(len, recorded))
+        ours = _where(new, len(current), "this run's order")
+        theirs = _where(missing, len(current), "the order calibrated")
+        raise CheckpointMismatch(
+            f"checkpoint_dir {self.dir} holds a calibration on other data: {len(new)} of "
+            f"this run's {now} calibration batches are not among the {then} it calibrated "
+            f"({ours}) and {len(missing)} of those are missing from this run ({theirs}). "
+            "Batches are matched by token ids and attention mask in any order, "
+            "so a shuffled rerun resumes when it draws the same samples into the same "
+            "batches; it does not when num_calibration_samples is below the dataset's size "
+            "or batch_size is above 1 (there seed torch with the same torch.manual_seed "
+            f"before oneshot, or set shuffle_calibration_samples=False): {self._remedy()}"
+        )
+
     def _check(self, what: str, theirs, ours) -> None:
-        if what == "datasets" and theirs != ours:
-            ranks = [r for r, (a, b) in enumerate(zip(theirs, ours, strict=False)) if a != b]
-            raise CheckpointMismatch(
-                f"checkpoint_dir {self.dir} holds a calibration on other data (the token ids "
-                f"of rank {ranks[0] if ranks else 0}'s batches differ; shuffled samples need "
-                "the same torch.manual_seed before oneshot, or shuffle_calibration_samples="
-                f"False): {self._remedy()}"
-            )
         found = _differences(theirs, ours)
         if found:
             label = {
@@ -179,20 +250,23 @@ class CalibrationCheckpoint:
         if self._state is not None:
             self._check("subgraphs", self._state["subgraphs"], count)
 
-    def restore(self, cache, batches: list[dict]) -> None:
+    def restore(self, cache, batches: list[dict]) -> list[dict]:
         self._cache = cache
-        digest = dataset_digest(batches)
+        digests = [batch_digest(b) for b in batches]
         if is_distributed():
-            digests: list = [None] * self.world
-            dist.all_gather_object(digests, digest, group=self._group)
+            current: list = [None] * self.world
+            dist.all_gather_object(current, digests, group=self._group)
         else:
-            digests = [digest]
-        self._datasets = digests
-        if self._state is not None:
-            self._check("datasets", self._state["datasets"], digests)  # the same on every rank
-        self._remove_leftovers(keep=None if self._state is None else self._state["done"])
+            current = [digests]
         if self._state is None:
-            return
+            self._digests, self._batches = current, batches
+            self._remove_leftovers(keep=None)
+            for listener in self.on_restore:
+                listener(set())
+            return batches
+        recorded = self._state["batches"]
+        self._check_batches(recorded, current)  # the same on every rank
+        self._remove_leftovers(keep=self._state["done"])
         done = int(self._state["done"])
         path = self._rank_file(done)
         if not path.is_file():
@@ -202,17 +276,28 @@ class CalibrationCheckpoint:
             )
         saved = torch.load(path, weights_only=False)  # written by this module
         restored = self._restore_accumulators(saved["accumulators"])
+        for listener in self.on_restore:
+            listener(set(saved["accumulators"]))
         if saved["intermediates"] is not None:
             cache.batch_intermediates = saved["intermediates"]
+        # the recorded order: the saved activations' (and every listener's, through compat)
+        self._digests, self._batches = recorded, saved["batches"]
         self.resumed = self._committed = done
         if self.rank == 0:
             tokens = self._state.get("tokens", 0)
+            order = (
+                "; this run's data loader gave the same batches in another order, so they "
+                "are calibrated in the recorded one"
+                if current != recorded
+                else ""
+            )
             logger.info(
                 f"REAP: resuming after layer {done} of {self.count} from {self.dir} "
                 f"({done} layers skipped: no forward or observation runs for them; "
                 f"{restored} MoE layers' statistics restored, {tokens} tokens per layer on "
-                "rank 0)"
+                f"rank 0{order})"
             )
+        return self._batches
 
     def skips(self, index: int) -> bool:
         return index < self.resumed
@@ -264,6 +349,7 @@ class CalibrationCheckpoint:
             "done": done,
             "accumulators": self._export_accumulators(),
             "intermediates": self._cache.batch_intermediates if intermediates else None,
+            "batches": self._batches,
         }
         path = self._rank_file(done)
         with atomic_path(path) as tmp:
@@ -275,7 +361,7 @@ class CalibrationCheckpoint:
             state = {
                 "format": FORMAT,
                 "identity": self.identity,
-                "datasets": self._datasets,
+                "batches": self._digests,
                 "subgraphs": self.count,
                 "done": done,
                 "tokens": max((a.tokens for a in self._accs.values()), default=0),

@@ -9,6 +9,8 @@ applies the same in-memory surgery.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from compressed_tensors.distributed import (
@@ -20,6 +22,7 @@ from compressed_tensors.distributed import (
 from .accumulator import LayerAccumulator
 
 __all__ = [
+    "CPU_GROUP_TIMEOUT",
     "broadcast_kept",
     "gather_counts",
     "is_distributed",
@@ -34,12 +37,19 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
+#: how long a rank of the CPU group waits in a collective: long enough for any stage that
+#: makes ranks wait (the post-cut step's per-layer fits at K3 scale take hours, the ranks
+#: sharing them); the stages that can wait long log it first. gloo's default is 30 min.
+CPU_GROUP_TIMEOUT = timedelta(days=2)
+
+
 def make_cpu_group():
-    """A gloo group for CPU float64 collectives (``None`` when not distributed).
+    """A gloo group for CPU float64 collectives (``None`` when not distributed), its
+    timeout :data:`CPU_GROUP_TIMEOUT`.
 
     Collective: every rank must call it, in the same order (``on_initialize``).
     """
-    return dist.new_group(backend="gloo") if is_distributed() else None
+    return dist.new_group(backend="gloo", timeout=CPU_GROUP_TIMEOUT) if is_distributed() else None
 
 
 def reduce_accumulators(accumulators: dict[str, LayerAccumulator], group) -> None:

@@ -12,7 +12,7 @@ calibration. The column must hold strings: llm-compressor's collators drop strin
 from the batch, so the model never sees them.
 
 With the labels, ``selection: block_error`` minimises the worst group's error rather
-than the pooled one (:func:`reap_modifier.block_selection.select_by_block_error`).
+than the pooled one (:func:`reap_modifier.post_cut.block_selection.select_by_block_error`).
 """
 
 from __future__ import annotations

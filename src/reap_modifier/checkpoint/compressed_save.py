@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from loguru import logger
 from torch import nn
 
 from ..models.moe_fields import config_sections
 from ..scores.plan import PruningPlan
 
-__all__ = ["compressed_source", "route_save_through_rewriter"]
+__all__ = ["compressed_source", "route_save_through_rewriter", "saved_dtypes"]
 
 
 def compressed_source(model: nn.Module) -> Path | None:
@@ -40,6 +42,32 @@ def compressed_source(model: nn.Module) -> Path | None:
             if qc.get("format") not in (None, "dense"):
                 return Path(name)
     return None
+
+
+def saved_dtypes(model: nn.Module) -> Callable[[str, str], torch.dtype | None] | None:
+    """For a model the rewrite will save (loaded from a compressed checkpoint), the dtype
+    each fitted block tensor is written in, the source tensor's: ``(MoE layer name, name in
+    the block) -> dtype`` (``None``: not a tensor of the source). ``None`` for any other
+    model: its tensors are saved as they are in memory."""
+    from .binding import resolve_block
+    from .layout import inspect_checkpoint
+    from .replaced_tensors import TORCH_DTYPES
+
+    source = compressed_source(model)
+    if source is None:
+        return None
+    layout = inspect_checkpoint(source)
+
+    def dtype_of(layer: str, name: str) -> torch.dtype | None:
+        try:
+            full = f"{resolve_block(layer, layout.blocks)}.{name}"
+        except Exception:  # noqa: BLE001 - a layer the checkpoint does not name
+            return None
+        if full not in layout.weight_map:
+            return None
+        return TORCH_DTYPES.get(layout.entry(full).dtype)
+
+    return dtype_of
 
 
 def route_save_through_rewriter(

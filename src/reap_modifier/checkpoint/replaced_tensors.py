@@ -26,9 +26,16 @@ from .byte_copy import new_hasher
 from .errors import CheckpointError
 from .safetensors_header import read_safetensors_header
 
-__all__ = ["Replacement", "bind_replacements", "replacement_record", "write_replacements"]
+__all__ = [
+    "TORCH_DTYPES",
+    "Replacement",
+    "bind_replacements",
+    "replacement_record",
+    "write_replacements",
+]
 
-_TORCH_DTYPES = {
+#: safetensors dtype name -> torch dtype of the tensors written from memory
+TORCH_DTYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
@@ -83,12 +90,12 @@ def bind_replacements(
                     "tensors may be written from memory"
                 )
             source_name, dtype, shape = produced[out_name]
-            if tuple(tensor.shape) != shape or dtype not in _TORCH_DTYPES:
+            if tuple(tensor.shape) != shape or dtype not in TORCH_DTYPES:
                 raise CheckpointError(
                     f"{out_name}: replacement {tuple(tensor.shape)} cannot stand for "
                     f"{dtype}{list(shape)} from {source_name}"
                 )
-            data = tensor.detach().to("cpu", _TORCH_DTYPES[dtype]).contiguous()
+            data = tensor.detach().to("cpu", TORCH_DTYPES[dtype]).contiguous()
             raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
             out[out_name] = Replacement(out_name, source_name, raw, reason)
     return out

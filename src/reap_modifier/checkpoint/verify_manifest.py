@@ -146,10 +146,12 @@ def post_cut_lines(manifest: dict) -> list[str]:
             else "pooled"
         )
         kept_cut = selection.get("layers_keeping_ranking_cut") or []
+        order = selection.get("candidate_order")
         lines.append(
             f"selection: block_error ({objective} error); {selection.get('differs_from_ranking')} "
-            f"kept experts differ from {selection.get('candidate_order')}'s cut"
+            f"kept experts differ from {order}'s cut"
             + (f"; {len(kept_cut)} layer(s) keep that cut" if kept_cut else "")
+            + _end_to_end(selection.get("end_to_end"), order)
         )
     for c in components if isinstance(components, list) else []:
         if not isinstance(c, dict):
@@ -160,7 +162,22 @@ def post_cut_lines(manifest: dict) -> list[str]:
             if isinstance(before, int | float) and isinstance(after, int | float)
             else "not validated"
         )
-        status = "kept" if c.get("kept") else "dropped (no better than without it)"
+        status = "kept" if c.get("kept") else "dropped (not better beyond its standard error)"
         tensors = ", ".join(c.get("tensors") or []) or "none"
         lines.append(f"{c.get('name')}: {status}; {kl}; tensors per layer: {tensors}")
     return lines
+
+
+def _end_to_end(e2e, order) -> str:
+    """The end-to-end check of a block-error selection against the ranking's cut."""
+    if not isinstance(e2e, dict):
+        return ""
+    if not e2e.get("checked"):
+        return f"; applied unchecked end to end ({e2e.get('reason')})"
+    applied = (
+        "the selection applied" if e2e.get("applied") == "block_error" else f"{order}'s cut applied"
+    )
+    cut, sel = e2e.get("kl_ranking_cut"), e2e.get("kl_selection")
+    if isinstance(cut, int | float) and isinstance(sel, int | float):
+        return f"; held-out KL {order}'s cut {cut:.5g}, selection {sel:.5g}: {applied}"
+    return f"; {applied}"

@@ -46,10 +46,12 @@ def patch_calibration_cache() -> None:
     """Why: modifiers get ``state.current_batch_idx`` but not the batch in llm-compressor
     0.14.0.1's sequential pipeline, so an observer cannot tell padding from tokens (details:
     ``docs/upstream-gaps.md``). The batches ``IntermediatesCache.from_dataloader`` caches are
-    handed, ``input_ids`` / ``attention_mask`` only, to the listeners registered in
-    :mod:`reap_modifier.registries`, and to the registered sequential checkpoint, which may
-    replace the cache's contents with a resumed run's saved activations; nothing else
-    changes.
+    handed, ``input_ids`` / ``attention_mask`` only, to the registered sequential checkpoint,
+    which may replace the cache's contents with a resumed run's saved activations and
+    returns the batches in the order the cache then holds them (a resumed run's recorded
+    order, whatever order the data loader gave), and then to the listeners registered in
+    :mod:`reap_modifier.registries`, so that ``state.current_batch_idx`` indexes the same
+    batch for both; nothing else changes.
     """
     from llmcompressor.pipelines.cache import IntermediatesCache
 
@@ -64,10 +66,11 @@ def patch_calibration_cache() -> None:
             return original(cls, dataloader, *args, **kwargs)
         recording = _RecordingLoader(dataloader)
         cache = original(cls, recording, *args, **kwargs)
-        for listener in listeners:
-            listener(recording.batches)
+        batches = recording.batches
         if checkpoint is not None:
-            checkpoint.restore(cache, recording.batches)
+            batches = checkpoint.restore(cache, batches)
+        for listener in listeners:
+            listener(batches)
         return cache
 
     from_dataloader._reap_patched = True

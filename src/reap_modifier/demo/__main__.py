@@ -59,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--eval-windows", type=int, default=DemoConfig.eval_windows, help="per language"
     )
+    ap.add_argument(
+        "--split",
+        choices=("eval", "dev"),
+        default=DemoConfig.split,
+        help="windows the quality tables measure: eval (the evaluation windows the final tables"
+        " report) or dev (the development split's, disjoint from them: for choosing methods and"
+        " settings)",
+    )
     ap.add_argument("--gen-tokens", type=int, default=DemoConfig.gen_tokens)
     ap.add_argument("--prompts", type=int, default=DemoConfig.prompts_per_lang, help="per language")
     ap.add_argument("--seed", type=int, default=DemoConfig.seed)
@@ -95,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         extra_sparsities=tuple(a.extra_sparsities),
         tokens_per_part=a.tokens_per_part,
         eval_windows=a.eval_windows,
+        split=a.split,
         gen_tokens=a.gen_tokens,
         prompts_per_lang=a.prompts,
         seed=a.seed,

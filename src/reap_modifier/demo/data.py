@@ -408,6 +408,54 @@ def eval_windows(
     return sample_windows(records, tokenizer, n_windows, seq_len, seed)
 
 
+def development_records(
+    records: Sequence[Record],
+    tokenizer: Any,
+    exclude_windows: int = 64,
+    exclude_seq_len: int = 256,
+    exclude_seed: int = 1234,
+) -> list[Record]:
+    """The development split: the paragraphs of the eval split that the evaluation windows
+    (:func:`eval_windows` of ``exclude_windows`` x ``exclude_seq_len`` tokens, seed
+    ``exclude_seed``: the main job's and the model card's) never read. In the windows' seeded
+    paragraph order, the windows read a prefix (the last paragraph of it perhaps in part); the
+    development split is every paragraph after that prefix, so no paragraph lends text to both.
+    Raises when the evaluation windows read every paragraph."""
+    need = exclude_windows * exclude_seq_len
+    sep = eos_id(tokenizer)
+    order = shuffled(records, exclude_seed)
+    n = 0
+    for i, r in enumerate(order):
+        n += len(encode(tokenizer, r["text"])) + (sep is not None)
+        if n >= need:
+            if i + 1 == len(order):
+                break
+            return order[i + 1 :]
+    raise ValueError(
+        f"the evaluation windows ({exclude_windows} x {exclude_seq_len} tokens) read every"
+        " paragraph of the eval split: no development split is left"
+    )
+
+
+def dev_windows(
+    records: Sequence[Record],
+    tokenizer: Any,
+    n_windows: int,
+    seq_len: int = 256,
+    seed: int = 4242,
+    *,
+    exclude: tuple[int, int, int] = (64, 256, 1234),
+):
+    """``n_windows`` windows of ``seq_len`` token ids from the development split
+    (:func:`development_records` of the eval split ``records``, the evaluation windows
+    ``exclude`` = (windows, tokens, seed) left out), seeded like :func:`eval_windows`: the
+    windows that choose methods and settings, disjoint from the windows the final tables
+    report."""
+    return sample_windows(
+        development_records(records, tokenizer, *exclude), tokenizer, n_windows, seq_len, seed
+    )
+
+
 def tokenize_all(
     records: Sequence[Record], tokenizer: Any, separator: int | None = None, batch_size: int = 2048
 ) -> list[int]:
@@ -442,6 +490,8 @@ __all__ = [
     "clean_zh_tagged",
     "corpora_available",
     "default_data_dir",
+    "dev_windows",
+    "development_records",
     "encode",
     "eos_id",
     "eval_windows",

@@ -34,16 +34,7 @@ def load_inputs(cfg: DemoConfig, model_dir: Path, data_dir: Path, log) -> Inputs
     calib = {lang: D.load_split(data_dir, lang, "calib") for lang in LANGS}
     evals = {lang: D.load_split(data_dir, lang, "eval") for lang in LANGS}
     sets = calibration_sets(calib, tokenizer, cfg)
-    windows = {
-        lang: D.eval_windows(
-            evals[lang],
-            tokenizer,
-            cfg.eval_windows,
-            seq_len=cfg.eval_seq_len,
-            seed=cfg.eval_seed,
-        )
-        for lang in LANGS
-    }
+    windows = {lang: quality_windows(evals[lang], tokenizer, cfg) for lang in LANGS}
     prompts = {
         lang: pick_prompts(
             evals[lang], tokenizer, cfg.prompts_per_lang, cfg.prompt_tokens, cfg.seed + 7
@@ -51,6 +42,28 @@ def load_inputs(cfg: DemoConfig, model_dir: Path, data_dir: Path, log) -> Inputs
         for lang in LANGS
     }
     return Inputs(tokenizer, evals, sets, windows, prompts)
+
+
+def quality_windows(records: list, tokenizer, cfg: DemoConfig):
+    """The windows of one language the quality tables measure: the evaluation windows of the eval
+    split ``records``, or with ``cfg.split == "dev"`` as many from the development split (the
+    paragraphs those evaluation windows never read)."""
+    from . import data as D
+
+    if cfg.split == "eval":
+        return D.eval_windows(
+            records, tokenizer, cfg.eval_windows, seq_len=cfg.eval_seq_len, seed=cfg.eval_seed
+        )
+    if cfg.split == "dev":
+        return D.dev_windows(
+            records,
+            tokenizer,
+            cfg.eval_windows,
+            seq_len=cfg.eval_seq_len,
+            seed=cfg.dev_seed,
+            exclude=(cfg.eval_windows, cfg.eval_seq_len, cfg.eval_seed),
+        )
+    raise ValueError(f"split must be 'eval' or 'dev', got {cfg.split!r}")
 
 
 def calibration_sets(records: dict[str, list], tokenizer, cfg: DemoConfig) -> dict[str, Any]:

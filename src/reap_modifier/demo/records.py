@@ -20,6 +20,8 @@ class RunInfo:
     windows_per_lang: int
     seq_len: int
     eval_seed: int
+    #: ``"eval"``: the evaluation windows; ``"dev"``: the development split's
+    split: str
     prompts_per_lang: int
     prompt_tokens: int
     new_tokens: int
@@ -149,10 +151,19 @@ class Repeats:
 class RouterFit:
     """A router-fit checkpoint's fit: tokens, and each layer's held-out error before / after."""
 
+    #: the fit's calibration tokens, the held-out batches (which decide each component's
+    #: keep / drop) included
     tokens: int
     holdout: tuple[tuple[float, float], ...]
     #: the post-cut components, each ``"<name> kept"`` or ``"<name> dropped"``
     components: tuple[str, ...] = ()
+    #: tokens of the held-out batches (0 when nothing was held out)
+    held_out: int = 0
+
+    @property
+    def fitted(self) -> int:
+        """The tokens the components were fitted on: :attr:`tokens` less the held-out batches."""
+        return self.tokens - self.held_out
 
     @property
     def kept(self) -> str:
@@ -320,6 +331,7 @@ def _checkpoint(name: str, r: dict) -> Checkpoint:
                 f"{c['name']} {'kept' if c['kept'] else 'dropped'}"
                 for c in fit.get("components", [])
             ),
+            (fit.get("validation") or {}).get("tokens", 0),
         )
         if fit
         else None,
@@ -397,6 +409,7 @@ def _run_info(results: dict) -> RunInfo:
         windows_per_lang=ev["windows_per_lang"],
         seq_len=ev["seq_len"],
         eval_seed=ev["seed"],
+        split=ev.get("split", "eval"),
         prompts_per_lang=cfg["prompts_per_lang"],
         prompt_tokens=cfg["prompt_tokens"],
         new_tokens=results["generations"]["new_tokens"],

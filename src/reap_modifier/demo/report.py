@@ -11,7 +11,13 @@ from .config import METHODS
 from .records import Results, read_results
 from .report_flips import flips_section
 from .report_generations import degeneration_section, generations_section
-from .report_quality import best_section, quality_section, router_fit_section, summary_quality
+from .report_quality import (
+    best_section,
+    objective_section,
+    quality_section,
+    router_fit_section,
+    summary_quality,
+)
 from .report_tables import FLIPS_IN_SUMMARY, flip_table, paired_nll_table, reap_losses
 
 
@@ -25,6 +31,7 @@ def render_report(results: dict) -> str:
         quality_section,
         router_fit_section,
         best_section,
+        objective_section,
         degeneration_section,
         flips_section,
         _checkpoints,
@@ -102,7 +109,8 @@ def _calibration(res: Results) -> list[str]:
     mixes = ", ".join(f"{m.label} = {m.ranking}" for m in METHODS if m.role == "mix")
     lines += [
         "",
-        f"{mixes}; frequency ranks by routed-token count in D;"
+        f"{mixes}; frequency ranks by routed-token count in D, EAN by the summed norm of each"
+        " expert's output over the tokens routed to it in D, MAN (ean_mean) by its mean;"
         " router_l1 / router_signed_sum / random use router weights only (no data; random seeded).",
         "",
     ]
@@ -179,4 +187,5 @@ def summary_tables(results: dict) -> str:
     ]
     lines += router_fit_section(res)
     lines += best_section(res)
+    lines += objective_section(res)
     return "\n".join(lines) + "\n"

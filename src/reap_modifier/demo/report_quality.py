@@ -8,7 +8,7 @@ from ..analysis.formatting import pct
 from .config import BASELINES, BEST_METHOD, LANGS, REFERENCE, method_base
 from .provenance import describe as describe_corpora
 from .records import Results
-from .report_tables import fmt, is_fit, paired_nll_table, reap_losses
+from .report_tables import fmt, is_fit_pair, is_objective_pair, paired_nll_table, reap_losses
 
 #: the router fit's target: held-out KL this much lower than the same cut alone
 FIT_TARGET = 0.4
@@ -22,7 +22,7 @@ def quality_section(res: Results) -> list[str]:
         "## Quality after pruning",
         "",
         f"Held-out windows: {run.windows_per_lang} x {run.seq_len} tokens per language from the eval split"
-        f" (never trained on, never calibrated on; `data.eval_windows`, seed {run.eval_seed}), mean next-token NLL"
+        f" (never trained on, never calibrated on; {_windows(run)}), mean next-token NLL"
         " in nats (perplexity in brackets). `REAP(D) mass`: fraction of REAP(en+zh+code) saliency the plan keeps"
         " (layer mean) -- one yardstick for every method. `overlap`: kept experts shared with REAP(en+zh+code)"
         " at the same sparsity. The last row zeroes every routed expert's output (shared experts kept): what"
@@ -67,6 +67,17 @@ def quality_section(res: Results) -> list[str]:
     return lines + reap_losses(res) + _model_card(res)
 
 
+def _windows(run) -> str:
+    """Which windows of the eval split the tables measure."""
+    if run.split == "dev":
+        return (
+            f"**the development split**: `data.dev_windows`, seed {run.eval_seed}, from the"
+            " paragraphs the evaluation windows never read; for choosing methods and settings,"
+            " not the final tables"
+        )
+    return f"`data.eval_windows`, seed {run.eval_seed}"
+
+
 def _model_card(res: Results) -> list[str]:
     """The unpruned NLL against the bundled model card's, and the corpora against the card's."""
     card = res.model_info.card
@@ -91,7 +102,7 @@ def _model_card(res: Results) -> list[str]:
 def router_fit_section(res: Results) -> list[str]:
     """REAP's cut alone against the same cut with the post-cut fit (router rows, dense
     compensation): KL to the unpruned model and NLL per language, paired per window."""
-    rows = [p for p in res.paired if is_fit(res, p.b)]
+    rows = [p for p in res.paired if is_fit_pair(p.a, p.b)]
     if not rows:
         return []
     lines = [
@@ -103,7 +114,8 @@ def router_fit_section(res: Results) -> list[str]:
         " shared expert, latent up-projection), so the pruned block's output matches the unpruned"
         " block's on calibration tokens; experts untouched, their bytes copied from the source. Each"
         " component is kept only where it lowers KL on held-out calibration batches (column"
-        " `kept`). Fitted on the calibration split only, judged on the held-out windows above."
+        " `kept`; `fit tokens`: the tokens fitted, those held-out batches excluded). Fitted on the"
+        " calibration split only, judged on the held-out windows above."
         " KL(unpruned || model) in nats per token; the paired differences are fit minus alone"
         " (negative: the fit is closer to the unpruned model / has lower NLL), mean +- standard error"
         " over windows.",
@@ -125,19 +137,26 @@ def router_fit_section(res: Results) -> list[str]:
             lines.append(
                 f"| {alone.label} | {_fit_name(fitted.label, alone.label)} |"
                 f" {fitted.pruned.fit.kept} |"
-                f" {fitted.pruned.fit.tokens:,} | {lang} | {fmt(ka, 4)} | {fmt(kb, 4)} |"
+                f" {fitted.pruned.fit.fitted:,} | {lang} | {fmt(ka, 4)} | {fmt(kb, 4)} |"
                 f" {100 * change:+.1f}% |"
                 f" {p.kl[lang].mean:+.4f} +- {fmt(p.kl[lang].se, 4)} |"
                 f" {p.nll[lang].mean:+.4f} +- {fmt(p.nll[lang].se, 4)} |"
             )
     n_layers = res.model_info.moe_layers
+    held = sorted({c.fit.held_out for c in res.pruned if c.fit})
     lines += [
         "",
-        f"Target (KL at least {FIT_TARGET:.0%} lower than the cut alone): met in {met} of"
-        f" {met + len(missed)} rows"
+        f"Target (KL at least {FIT_TARGET:.0%} lower than the cut alone): met in {met} of the"
+        f" {met + len(missed)} rows of this table (each fit against its own cut; the baselines"
+        " against the best of ours are counted in their own section)"
         + (f"; not in {', '.join(missed)}." if missed else ".")
         + " Why a router-only fit stops short of it and what compensation adds:"
-        " docs/router-calibration.md.",
+        " docs/router-calibration.md."
+        + (
+            f" Held-out batches per fit: {' / '.join(f'{n:,}' for n in held)} tokens."
+            if any(held)
+            else ""
+        ),
         "",
         "Layer-local relative error of each fitted router (held-out calibration tokens of the fit,"
         " before -> after):",
@@ -179,11 +198,11 @@ def best_section(res: Results) -> list[str]:
         "## The best of ours against every baseline",
         "",
         f"{_best_label(res)} against each baseline at the same sparsity: KL(unpruned || model) per"
-        " language, and the paired difference best minus baseline (mean +- standard error over"
-        " windows; negative: ours is closer to the unpruned model).",
+        " language, and the paired differences best minus baseline in KL and NLL (mean +- standard"
+        " error over windows; negative: ours is closer to the unpruned model / has lower NLL).",
         "",
-        "| baseline | language | KL baseline | KL ours | dKL +- SE | beyond 2 SE |",
-        "|---|---|---:|---:|---:|---|",
+        "| baseline | language | KL baseline | KL ours | dKL +- SE | beyond 2 SE | dNLL +- SE |",
+        "|---|---|---:|---:|---:|---|---:|",
     ]
     wins = 0
     for p in rows:
@@ -195,9 +214,39 @@ def best_section(res: Results) -> list[str]:
             lines.append(
                 f"| {base.label} | {lang} | {fmt(base.quality[lang].kl, 4)} |"
                 f" {fmt(best.quality[lang].kl, 4)} | {d.mean:+.4f} +- {fmt(d.se, 4)} |"
-                f" {'yes' if won else 'no'} |"
+                f" {'yes' if won else 'no'} | {p.nll[lang].mean:+.4f} +- {fmt(p.nll[lang].se, 4)} |"
             )
-    lines += ["", f"Wins beyond two standard errors: {wins} of {len(rows) * len(LANGS)}."]
+    lines += [
+        "",
+        f"KL wins beyond two standard errors: {wins} of the {len(rows) * len(LANGS)} rows of this"
+        " table.",
+    ]
+    return lines
+
+
+def objective_section(res: Results) -> list[str]:
+    """The block-error selection's two objectives, each followed by the same fit: the
+    worst-language fit minus the pooled one, KL and NLL per language, paired per window."""
+    rows = [p for p in res.paired if is_objective_pair(p.a, p.b)]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Worst-language against pooled objective",
+        "",
+        "The block-error selection minimising the worst language's error (`selection_groups:"
+        " language`) against the same selection minimising the pooled error, each followed by the"
+        " same fit: paired per window, worst language minus pooled (mean +- standard error over"
+        " windows; negative: the worst-language objective is closer to the unpruned model / has"
+        " lower NLL).",
+        "",
+        "| pooled | worst language | metric | en | zh | code |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for p in rows:
+        for metric, diffs in (("KL", p.kl), ("NLL", p.nll)):
+            cells = " | ".join(f"{diffs[l].mean:+.4f} +- {fmt(diffs[l].se, 4)}" for l in LANGS)
+            lines.append(f"| {res.label(p.a)} | {res.label(p.b)} | {metric} | {cells} |")
     return lines
 
 

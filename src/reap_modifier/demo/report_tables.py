@@ -8,7 +8,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..analysis.formatting import pct
-from .config import BASELINES, FLIP_PAIRS, HEADLINE_METHOD, LANGS, METHODS, method_base
+from .config import (
+    BASELINES,
+    FLIP_PAIRS,
+    HEADLINE_METHOD,
+    LANGS,
+    METHODS,
+    method_base,
+    objective_pairs,
+)
 from .records import CutPoint, FlipCell, Results
 
 #: the label of the method every other is compared against
@@ -24,6 +32,23 @@ def is_fit(res: Results, name: str) -> bool:
     section's)."""
     pruned = res.model(name).pruned
     return pruned is not None and pruned.fit is not None
+
+
+def is_fit_pair(a: str, b: str) -> bool:
+    """Whether the paired row ``(a, b)`` is a cut against the same cut with its post-cut fit
+    (``b``'s method fits ``a``'s: :attr:`~.config.Method.fit_of`)."""
+    fit = next((m for m in METHODS if m.name == method_base(b)), None)
+    return fit is not None and fit.fit_of == method_base(a) and _suffix(a) == _suffix(b)
+
+
+def is_objective_pair(a: str, b: str) -> bool:
+    """Whether the paired row ``(a, b)`` is a pooled-objective fit against the same fit with the
+    worst-language objective (:func:`~.config.objective_pairs`)."""
+    return (method_base(a), method_base(b)) in objective_pairs() and _suffix(a) == _suffix(b)
+
+
+def _suffix(name: str) -> str:
+    return name.removeprefix(method_base(name))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,15 @@ from pathlib import Path
 from ..reporting import jsonable
 from .calibrate import Calibration
 from .comparison import Comparison
-from .config import BEST_METHOD, HEADLINE_METHOD, LANGS, METHODS, RANKINGS, DemoConfig
+from .config import (
+    BEST_METHOD,
+    HEADLINE_METHOD,
+    LANGS,
+    METHODS,
+    RANKINGS,
+    DemoConfig,
+    objective_pairs,
+)
 from .inputs import Inputs
 from .provenance import compare_corpora, corpus_manifest
 from .prune import Pruning
@@ -24,8 +32,10 @@ def paired_rows(names) -> list[tuple[str, str, tuple[str, ...]]]:
     """``(first, second, metrics)`` of every paired difference among the models ``names``, at
     every sparsity the job ran (the job's first, then each ``_<percent>`` suffix): consecutive
     REAP calibration mixes (NLL), each other non-fit method against :data:`HEADLINE_METHOD`
-    (NLL), each cut against the same cut with its post-cut fit (NLL and KL), and each baseline
-    against :data:`BEST_METHOD` (NLL and KL)."""
+    (NLL), each cut against the same cut with its post-cut fit (NLL and KL), each fit whose
+    selection minimises the worst language's error against the same fit with the pooled
+    objective (NLL and KL: :func:`~.config.objective_pairs`), and each baseline against
+    :data:`BEST_METHOD` (NLL and KL)."""
     names = set(names)
     suffixes = [""] + sorted(
         {"_" + n.rsplit("_", 1)[1] for n in names if n.rsplit("_", 1)[-1].isdigit()}
@@ -38,6 +48,7 @@ def paired_rows(names) -> list[tuple[str, str, tuple[str, ...]]]:
         if m.role != "fit" and m.name != HEADLINE_METHOD
     ]
     rows += [(m.fit_of, m.name, ("nll", "kl")) for m in METHODS if m.role == "fit"]
+    rows += [(a, b, ("nll", "kl")) for a, b in objective_pairs()]
     rows += [(m.name, BEST_METHOD, ("nll", "kl")) for m in METHODS if m.role == "baseline"]
     out: list[tuple[str, str, tuple[str, ...]]] = []
     for sfx in suffixes:
@@ -83,7 +94,8 @@ def model_card_eval(model_dir: Path, cfg: DemoConfig, data_dir: Path) -> dict | 
         "window_seed": ev.get("window_seed"),
     }
     card["same_windows"] = (
-        card["windows_per_lang"] == cfg.eval_windows
+        cfg.split == "eval"
+        and card["windows_per_lang"] == cfg.eval_windows
         and card["seq_len"] == cfg.eval_seq_len
         and card["window_seed"] == cfg.eval_seed
     )
@@ -149,9 +161,10 @@ def assemble_results(
         },
         "pruning": pruning.records,
         "eval": {
+            "split": cfg.split,
             "windows_per_lang": cfg.eval_windows,
             "seq_len": cfg.eval_seq_len,
-            "seed": cfg.eval_seed,
+            "seed": cfg.eval_seed if cfg.split == "eval" else cfg.dev_seed,
             "tokens_per_lang": {lang: int(inputs.windows[lang][:, 1:].numel()) for lang in LANGS},
             "quality": quality,
         },

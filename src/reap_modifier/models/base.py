@@ -22,7 +22,8 @@ __all__ = ["MoEAdapter", "adapter_for", "register_adapter", "registered_adapters
 class MoEAdapter:
     """Recognises MoE blocks of one dispatch shape.
 
-    :cvar kind: the name observation and surgery dispatch on
+    :cvar kind: the name observation, surgery and the post-cut stages dispatch on (a new
+        kind also needs its row in ``post_cut/dispatch.py``, else the fits refuse it)
     :cvar families: the model families known to have this shape (for messages/docs)
     """
 

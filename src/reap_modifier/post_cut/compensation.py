@@ -25,15 +25,15 @@ Two steps, both on the pruned block with its current router:
    solution lowers it.
 2. **Gradient** (:func:`compensate`): starting from the closed form, every tensor of the
    shared expert(s), the up-projection and the router rows are fitted together by the
-   router fit's method (:func:`~reap_modifier.router_fit.fit_block`: full-batch Adam
+   router fit's method (:func:`~.block_fit.fit_block`: full-batch Adam
    through the model's own routing, experts frozen, held-out early stopping). Measured on
    the bundled model at 50%: held-out layer-local error after the router fit
    0.073-0.142, closed form 0.054-0.106, closed form + gradient 0.029-0.059 (the
    gate and up projections of the shared expert change what it computes, which no
    linear refit can).
 
-Whether a compensated model is better end to end is decided by
-:mod:`reap_modifier.post_cut` on held-out calibration windows.
+Whether a compensated model is better end to end is decided by the post-cut step
+(:mod:`.step`) on held-out calibration windows.
 """
 
 from __future__ import annotations
@@ -44,21 +44,23 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from .models import MoELayer
-from .router_fit import (
-    RouterFitResult,
+from ..models import MoELayer
+from .block_fit import (
+    BlockFitResult,
+    block_output,
     fit_block,
     holdout_rows,
     relative_error,
-    router_fit_problem,
-    router_params,
+    tensors_written,
 )
+from .dispatch import dispatch_problem
+from .errors import CompensationError
+from .router_fit import router_fit_problem, router_params
 
 __all__ = [
     "RIDGE_GRID",
     "SHARED_EXPERT_ATTRS",
     "ClosedFormResult",
-    "assign_tensors",
     "closed_form",
     "compensate",
     "compensation_problem",
@@ -134,7 +136,7 @@ def output_projections(layer: MoELayer) -> list[str]:
 def dense_params(layer: MoELayer) -> dict[str, list[str]]:
     """The block tensors compensation fits (``{path: [parameter names]}``): every
     shared-expert tensor, the latent up-projection and, where the router fit can express
-    the router (:func:`~reap_modifier.router_fit.router_fit_problem`), its fitted tensors."""
+    the router (:func:`~.router_fit.router_fit_problem`), its fitted tensors."""
     leaves = _shared_modules(layer)
     up = getattr(layer.block, LATENT_UP_ATTR, None)
     if isinstance(up, nn.Linear):
@@ -150,8 +152,9 @@ def dense_params(layer: MoELayer) -> dict[str, list[str]]:
 
 def compensation_problem(layer: MoELayer) -> str | None:
     """Why compensation cannot fit ``layer``, or ``None`` when it can."""
-    if layer.kind not in ("kimi", "experts_call"):
-        return f"{layer.name}: dispatch shape {layer.kind!r} has no differentiable dispatch"
+    problem = dispatch_problem(layer)
+    if problem is not None:
+        return problem
     if not output_projections(layer):
         return (
             f"{layer.name}: {type(layer.block).__name__} has no shared expert or latent "
@@ -286,16 +289,6 @@ def closed_form(
     return tensors, ClosedFormResult(paths, best_ridge, before, best)
 
 
-def assign_tensors(layer: MoELayer, tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``tensors`` (``{"path.name": tensor}``, paths in the block) into ``layer``'s
-    block, offloaded or not."""
-    from compressed_tensors.offload import update_offload_parameter
-
-    for name, tensor in tensors.items():
-        path, _, attr = name.rpartition(".")
-        update_offload_parameter(layer.block.get_submodule(path), attr, tensor)
-
-
 def compensate(
     layer: MoELayer,
     inputs: torch.Tensor,
@@ -305,30 +298,28 @@ def compensate(
     lr: float = 0.003,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Closed form, then the gradient fit of every dense tensor of the block and its
-    router rows (see the module docstring). The layer is changed in place (every tensor
-    returned is assigned to it).
+    router rows (see the module docstring). The layer is left as it was (the gradient
+    step starts from the closed form, written for its duration).
 
     :returns: the changed tensors by ``"path.name"`` and the record
         (``{"closed_form": ..., "gradient": ...}``)
+    :raises CompensationError: a block compensation cannot fit
     """
     problem = compensation_problem(layer)
     if problem is not None:
-        raise ValueError(problem)
+        raise CompensationError(problem)
     tensors, closed = closed_form(layer, inputs, targets)
-    assign_tensors(layer, tensors)
-    grad: RouterFitResult | None = None
-    if steps > 0:
-        fitted, grad = fit_block(layer, inputs, targets, dense_params(layer), steps=steps, lr=lr)
-        if grad.best_step:
-            assign_tensors(layer, fitted)
-            tensors.update(fitted)
-    with torch.no_grad():
-        held = holdout_rows(inputs.shape[0])
-        out = layer.block(inputs[held].unsqueeze(0))
-        after = relative_error(
-            (out[0] if isinstance(out, tuple) else out).reshape(-1, inputs.shape[1]),
-            targets[held],
-        ).item()
+    grad: BlockFitResult | None = None
+    held = holdout_rows(inputs.shape[0])
+    with tensors_written(layer, tensors):
+        if steps > 0:
+            fitted, grad = fit_block(
+                layer, inputs, targets, dense_params(layer), steps=steps, lr=lr
+            )
+            if grad.best_step:
+                tensors.update(fitted)
+        with tensors_written(layer, tensors):
+            after = relative_error(block_output(layer, inputs[held]), targets[held]).item()
     record = {
         "closed_form": closed.to_dict(),
         "gradient": grad.to_dict() if grad is not None else None,

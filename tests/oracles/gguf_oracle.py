@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONVERTER = Path(os.environ.get("REAP_GGUF_CONVERTER", ROOT / "build/llama-cpp/converter"))
 #: every config key a transformers MoE config may hold the routed-expert count in
 COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")

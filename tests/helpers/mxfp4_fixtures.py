@@ -8,7 +8,7 @@ experts, quantizes *only the routed experts* with llm-compressor
 several shards).  ``build_plain_checkpoint`` saves an unquantized one (GPT-OSS: fused
 3-D experts, router bias, single ``model.safetensors``).
 
-Run as a script (``python tests/mxfp4_fixtures.py reload-check CASES.json``) it
+Run as a script (``python tests/helpers/mxfp4_fixtures.py reload-check CASES.json``) it
 reloads checkpoints in a fresh process and compares logits with the masked-routing
 oracle; the tests call it through :func:`reload_check`.
 """
@@ -29,6 +29,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
+import paths  # noqa: E402
 
 #: routed-expert Linear layers after linearize_moe (Qwen3/DeepSeek: gate/up/down_proj,
 #: Kimi: w1/w2/w3); shared experts and dense MLPs are not matched
@@ -520,7 +521,7 @@ def reload_check(cases: list[dict], tmp_dir: str | os.PathLike) -> dict[str, dic
     cases_file.write_text(json.dumps(cases))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(HERE), str(HERE.parent / "src"), env.get("PYTHONPATH", "")]
+        [str(HERE), str(paths.ORACLES), str(paths.TESTS.parent / "src"), env.get("PYTHONPATH", "")]
     )
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "reload-check", str(cases_file)],

@@ -61,24 +61,17 @@ module models wrongly, or targets that are not this block's outputs, fail loudly
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .block_routing import BlockSelectionError, RoutingRule, route, routing_rule
-from .models import MoELayer
-from .router_fit import _instance_attrs
+from ..models import MoELayer
+from .block_fit import check_rows
+from .dispatch import block_tensor, contributions, dispatch_input, routed_off
+from .errors import BlockSelectionError
+from .routing import RoutingRule, route, selection_rule
 
-__all__ = [
-    "BlockErrorEvaluator",
-    "BlockSelectionError",
-    "BlockSelectionRecord",
-    "RoutingRule",
-    "routing_rule",
-    "select_by_block_error",
-]
+__all__ = ["BlockErrorEvaluator", "BlockSelectionRecord", "select_by_block_error"]
 
 #: largest relative error of the full set tolerated by the evaluator's self-check
 SELF_CHECK_TOLERANCE = 1e-4
@@ -92,52 +85,9 @@ def _drop_is_local(rule: RoutingRule) -> bool:
     return rule.activation == "sigmoid" or (rule.bias is None and rule.renormalize)
 
 
-@contextmanager
-def _routed_off(layer: MoELayer) -> Iterator[None]:
-    """Within the context the block's routed experts contribute nothing (their dispatch
-    returns zeros), so the block's output is its ``base``: shared experts and the like."""
-
-    def zeros(x, *_args, **_kwargs):
-        return torch.zeros_like(x)
-
-    owner, attrs = (
-        (layer.block, ("moe_infer", "moe_train"))
-        if layer.kind == "kimi"
-        else (layer.experts, ("forward",))
-    )
-    with _instance_attrs(owner, **dict.fromkeys(attrs, zeros)):
-        yield
-
-
-def _dispatch_input(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
-    """``[N, D]``: what the block hands its routed experts (K3 latent MoE: the latent)."""
-    block = layer.block
-    with torch.no_grad():
-        if layer.kind == "kimi" and getattr(block, "use_latent_moe", False):
-            return block.routed_expert_down_proj(x)
-    return x
-
-
-def _contributions(layer: MoELayer, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``[M, H]``: expert ``ids[m]``'s contribution to the block output on dispatch input
-    ``h[m]`` with routing weight 1 (after the latent up-projection), through the model's
-    own dispatch."""
-    ones = torch.ones(ids.shape[0], 1, dtype=torch.float32, device=h.device)
-    with torch.no_grad():
-        if layer.kind == "kimi":
-            block = layer.block
-            out = block.moe_infer(h, ids[:, None], ones)
-            if getattr(block, "use_latent_moe", False):
-                return block.routed_expert_up_proj(out)
-            return out
-        return layer.experts(h, ids[:, None], ones.to(h.dtype))
-
-
 def _block_base(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad(), _routed_off(layer):
-        out = layer.block(x.unsqueeze(0))
-    out = out[0] if isinstance(out, tuple) else out
-    return out.reshape(x.shape[0], -1)
+    with torch.no_grad(), routed_off(layer):
+        return block_tensor(layer.block(x.unsqueeze(0))).reshape(x.shape[0], -1)
 
 
 class BlockErrorEvaluator:
@@ -159,13 +109,13 @@ class BlockErrorEvaluator:
         extra_slots: int = 8,
         batch: int | None = None,
     ) -> None:
-        self.layer, self.rule = layer, routing_rule(layer)
+        self.layer, self.rule = layer, selection_rule(layer)
         weight = layer.router_weight().detach()
         E = int(weight.shape[0])
-        _check_inputs(layer, inputs, targets, groups, E)
+        _check_inputs(layer, inputs, targets, groups)
         self.E, self.N = E, int(inputs.shape[0])
         self.x = inputs.detach()
-        self.h = _dispatch_input(layer, self.x)
+        self.h = dispatch_input(layer, self.x)
         self.logits = self.x.float() @ weight.float().t()
         labels = groups if groups is not None else torch.zeros(self.N, dtype=torch.long)
         self.group_ids, self.group_of = torch.unique(labels.long(), return_inverse=True)
@@ -224,7 +174,7 @@ class BlockErrorEvaluator:
         slot = self.used[tok] + torch.arange(tok.numel()) - start[tok]  # tok is sorted
         if int(slot.max()) >= self.g.shape[1]:
             self._grow(int(slot.max()) + 1 + self.rule.top_k)
-        out = _contributions(self.layer, self.h[tok], exp).float()
+        out = contributions(self.layer, self.h[tok], exp).float()
         self.expert_calls += int(tok.numel())
         self.g[tok, slot] = out
         self.slot_of[tok, exp] = slot
@@ -348,6 +298,8 @@ class BlockSelectionRecord:
     setup_seconds: float = 0.0  # of ``seconds``: the cache and its Gram matrices
     #: the objective of ``baseline`` (``None``: none given)
     baseline_objective: float | None = None
+    #: the search's own set's objective (``objective`` is the baseline's when it was kept)
+    search_objective: float = 0.0
     #: ``baseline`` was kept: the search found no lower objective
     kept_baseline: bool = False
 
@@ -355,12 +307,8 @@ class BlockSelectionRecord:
         return asdict(self)
 
 
-def _check_inputs(layer, inputs, targets, groups, num_experts) -> None:
-    if inputs.dim() != 2 or inputs.shape != targets.shape or inputs.shape[0] < 1:
-        raise BlockSelectionError(
-            f"{layer.name}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} "
-            "must both be [tokens, hidden]"
-        )
+def _check_inputs(layer, inputs, targets, groups) -> None:
+    check_rows(layer.name, inputs, targets, 1, BlockSelectionError)
     if groups is not None and tuple(groups.shape) != (inputs.shape[0],):
         raise BlockSelectionError(
             f"{layer.name}: groups {tuple(groups.shape)} must hold one label per token "
@@ -423,9 +371,9 @@ def select_by_block_error(
     :raises BlockSelectionError: unsupported router, bad shapes or ``keep``
     """
     t0 = time.perf_counter()
-    rule = routing_rule(layer)
+    rule = selection_rule(layer)
     E = int(layer.router_weight().shape[0])
-    _check_inputs(layer, inputs, targets, groups, E)
+    _check_inputs(layer, inputs, targets, groups)
     _check_keep(layer, rule, keep, E)
     if ranking is not None and tuple(ranking.shape) != (E,):
         raise BlockSelectionError(f"{layer.name}: ranking {tuple(ranking.shape)} must be [{E}]")
@@ -462,6 +410,7 @@ def select_by_block_error(
             value = float(ev.errors(kept[None]).max())
         record.steps.append({"dropped": sorted(dropped), "objective": value})
     final = ev.errors(kept[None])[0]
+    record.search_objective = float(final.max())
     if baseline is not None:
         base = torch.zeros(E, dtype=torch.bool)
         base[list(baseline)] = True
@@ -469,7 +418,7 @@ def select_by_block_error(
             raise BlockSelectionError(f"{layer.name}: baseline must hold {keep} distinct experts")
         base_errors = ev.errors(base[None])[0]
         record.baseline_objective = float(base_errors.max())
-        if record.baseline_objective <= float(final.max()):
+        if record.baseline_objective <= record.search_objective:
             kept, final, record.kept_baseline = base, base_errors, True
     record.kept = kept.nonzero().flatten().tolist()
     record.objective = float(final.max())

@@ -130,7 +130,7 @@ def _find(module: torch.nn.Module, path: str) -> torch.Tensor | None:
 def moe_blocks(model: torch.nn.Module, family: str) -> dict[str, torch.nn.Module]:
     """``{module path: block}`` of every MoE block of ``model`` by the table."""
     if family not in ROUTING:
-        raise KeyError(f"{family}: no row in tests/family_routing.py ROUTING; add one")
+        raise KeyError(f"{family}: no row in tests/oracles/family_routing.py ROUTING; add one")
     spec = ROUTING[family]
     pattern = re.compile(spec.block)
     return {

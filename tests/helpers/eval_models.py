@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: what vLLM 0.32's CPU backend needs of a tiny model (as in test_vllm_serving)
 VLLM_CPU_OVERRIDES = {"qwen3_moe": dict(head_dim=32), "olmoe": dict(hidden_size=64)}

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+import paths  # noqa: E402,F401
 from conftest import make_dataset, make_tokenizer  # noqa: E402
 from tiny_models import batch_invariant_numerics, build_tiny, reload_class  # noqa: E402
 

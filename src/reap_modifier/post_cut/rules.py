@@ -1,71 +1,50 @@
-"""What the post-cut step (:mod:`reap_modifier.post_cut`) refuses before any model work,
-and which block tensors each of its components changes."""
+"""What the post-cut step refuses before any model work: a router the block-error selection
+does not model, a block a component cannot express, no calibration data, another modifier
+of the recipe changing the tensors the fits change."""
 
 from __future__ import annotations
 
-from .compensation import compensation_problem, dense_params
-from .models import MoEArchitecture, MoELayer
-from .router_fit import RouterFitError, router_fit_problem, router_params
+from ..models import MoEArchitecture, MoELayer
+from .components import COMPONENT
+from .errors import PostCutError
+from .routing import selection_rule
+from .settings import PostCutSettings
 
-__all__ = ["check_post_cut_request", "component_problems", "params_of"]
-
-
-def _bias_params(layer: MoELayer) -> dict[str, list[str]]:
-    from .bias_fit import BIAS_ATTR
-
-    return {layer.router_attr: [BIAS_ATTR]}
-
-
-def params_of(component: str, layer: MoELayer) -> dict[str, list[str]]:
-    if component == "router":
-        return router_params(layer)
-    if component == "bias":
-        return _bias_params(layer)
-    return dense_params(layer)
+__all__ = ["check_post_cut_request", "component_problems"]
 
 
 def component_problems(component: str, layers: list[MoELayer]) -> list[str]:
     """Why ``component`` cannot be fitted on these layers (empty when it can)."""
-    if component == "router":
-        check = router_fit_problem
-    elif component == "bias":
-        from .bias_fit import bias_fit_problem as check
-    else:
-        check = compensation_problem
+    check = COMPONENT[component].problem
     return [p for layer in layers if (p := check(layer))]
 
 
 def check_post_cut_request(
-    state,
-    arch: MoEArchitecture,
-    components: list[str],
-    fields: str,
-    modifier_type: type,
-    selection: str = "saliency",
+    state, arch: MoEArchitecture, settings: PostCutSettings, modifier_type: type
 ) -> None:
     """Refuse, before any model work, a post-cut step that cannot run: a router the
     block-error selection does not model, a block a component cannot express, no
     calibration data, or another modifier of the recipe that also changes the tensors the
     fits change.
 
-    :param fields: the recipe fields that asked for the fit (for the messages)
+    :param modifier_type: the REAP modifier's class (its own instances are not others)
+    :raises PostCutError: what cannot run, and what to change
     """
     from compressed_tensors.utils import match_named_modules
     from llmcompressor.core import active_session
 
-    if selection == "block_error":
-        from .block_routing import BlockSelectionError, routing_rule
-
+    fields, components = settings.fields, settings.components
+    if settings.selection == "block_error":
         for layer in arch.layers:
             try:
-                routing_rule(layer)
-            except BlockSelectionError as exc:
-                raise ValueError(f"selection: block_error cannot choose for {exc}") from exc
+                selection_rule(layer)
+            except PostCutError as exc:
+                raise PostCutError(f"selection: block_error cannot choose for {exc}") from exc
 
     for component in components:
         problems = component_problems(component, arch.layers)
         if problems:
-            raise RouterFitError(
+            raise PostCutError(
                 f"{fields} cannot fit these blocks ({component}): "
                 + "; ".join(problems[:3])
                 + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
@@ -81,7 +60,7 @@ def check_post_cut_request(
         f"{layer.name}.{path}"
         for layer in arch.layers
         for c in components
-        for path in (params_of(c, layer) if c != "bias" else {layer.router_attr: []})
+        for path in COMPONENT[c].params(layer)
     }
     for other in recipe.modifiers if recipe is not None else []:
         targets = getattr(other, "targets", None)

@@ -3,7 +3,7 @@ so that the pruned block reproduces the unpruned block's output.
 
 In DeepSeek-V3, GLM-4.5 and Kimi K3 routers the bias only moves the top-k *selection*
 (``scores + bias`` choose, the weights come from ``scores`` alone), so the router fit
-(:mod:`reap_modifier.router_fit`) gives it no gradient and leaves it as the cut left it.
+(:mod:`reap_modifier.post_cut.router_fit`) gives it no gradient and leaves it as the cut left it.
 This module fits it on the same data and the same loss, the layer-local relative squared
 error of the block output against the unpruned block's (:func:`router_fit.relative_error`),
 with the same held-out early stopping (every ``HOLDOUT_EVERY``-th token held out; the bias
@@ -51,40 +51,37 @@ batch ``[candidates, reachable tokens, E]``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from .models import MoELayer
-from .router_fit import (
-    HOLDOUT_EVERY,
-    _ExpertCache,
-    _instance_attrs,
-    _output,
+from ..models import MoELayer
+from .block_fit import (
+    ExpertCache,
+    FitLosses,
+    check_rows,
     differentiable_dispatch,
+    holdout_rows,
     relative_error,
-    router_fit_problem,
     trainable,
 )
+from .dispatch import block_tensor, one_slot, routed_dispatch
+from .errors import BiasFitError
+from .router_fit import router_fit_problem
+from .routing import BIAS_ATTR, read_rule, route_scores, router_scores
 
 __all__ = [
     "BIAS_ATTR",
     "FIT_METHOD",
     "BiasFitError",
     "BiasFitResult",
-    "RoutingRule",
     "bias_fit_problem",
     "fit_bias",
-    "routing",
-    "routing_rule",
 ]
 
 FIT_METHOD = "coordinate-search-layer-local"
-#: the router tensor the fit changes
-BIAS_ATTR = "e_score_correction_bias"
 #: candidate moves per expert, as fractions of the mean expert load (tokens brought in
 #: by a move up, sent away by a move down)
 LOAD_FRACTIONS = (1 / 16, 1 / 4, 1.0)
@@ -92,12 +89,8 @@ LOAD_FRACTIONS = (1 / 16, 1 / 4, 1.0)
 REPEATS = 8
 
 
-class BiasFitError(ValueError):
-    """A router whose bias the fit cannot express, or fitting data that cannot be used."""
-
-
 @dataclass
-class BiasFitResult:
+class BiasFitResult(FitLosses):
     """What one layer's bias fit did (losses are relative squared errors).
 
     ``block_rows`` counts the token rows run through the block (candidates and kept moves;
@@ -111,73 +104,6 @@ class BiasFitResult:
     best_move: int
     block_rows: int
     expert_rows: int
-    loss_before: float
-    loss_after: float
-    holdout_before: float
-    holdout_after: float
-    fitted: list[str]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class RoutingRule:
-    """The DeepSeek-V3 selection rule as a router's attributes spell it."""
-
-    activation: str
-    top_k: int
-    n_group: int
-    topk_group: int
-    renormalize: bool
-    scale: float
-
-
-def routing_rule(router) -> RoutingRule:
-    """The selection rule of a DeepSeek-V3-style router (Kimi ``KimiMoEGate`` or
-    transformers' ``DeepseekV3TopkRouter`` / ``Glm4MoeTopkRouter`` attribute names)."""
-    top_k = int(router.top_k)
-    n_group = getattr(router, "num_expert_group", None) or getattr(router, "num_group", 1)
-    if hasattr(router, "moe_renormalize"):
-        renormalize = bool(router.moe_renormalize) and top_k > 1
-    else:
-        renormalize = bool(getattr(router, "norm_topk_prob", False))
-    return RoutingRule(
-        activation=getattr(router, "moe_router_activation_func", "sigmoid"),
-        top_k=top_k,
-        n_group=int(n_group or 1),
-        topk_group=int(getattr(router, "topk_group", 1) or 1),
-        renormalize=renormalize,
-        scale=float(getattr(router, "routed_scaling_factor", 1.0) or 1.0),
-    )
-
-
-def router_scores(router, inputs: torch.Tensor, rule: RoutingRule) -> torch.Tensor:
-    """``[N, E]`` float32 routing scores (before the bias) as the router computes them."""
-    with torch.no_grad():
-        logits = F.linear(inputs.float(), router.weight.float())
-    return logits.sigmoid() if rule.activation == "sigmoid" else logits.softmax(dim=-1)
-
-
-def routing(
-    scores: torch.Tensor, bias: torch.Tensor, rule: RoutingRule
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k ids and weights for ``scores`` ``[..., N, E]`` and ``bias`` ``[..., E]``
-    (leading dimensions broadcast: one selection per candidate bias)."""
-    choice = scores + bias.unsqueeze(-2)
-    E = choice.shape[-1]
-    if rule.n_group > rule.topk_group:
-        grouped = choice.unflatten(-1, (rule.n_group, E // rule.n_group))
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-        group_idx = group_scores.topk(rule.topk_group, dim=-1, sorted=False)[1]
-        mask = torch.zeros_like(group_scores).scatter_(-1, group_idx, 1).bool()
-        mask = mask.unsqueeze(-1).expand(grouped.shape).flatten(-2)
-        choice = choice.masked_fill(~mask, float("-inf"))
-    ids = choice.topk(rule.top_k, dim=-1, sorted=False)[1]
-    weights = scores.expand(choice.shape).gather(-1, ids)
-    if rule.renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return ids, weights * rule.scale
 
 
 def bias_fit_problem(layer: MoELayer) -> str | None:
@@ -200,33 +126,12 @@ def bias_fit_problem(layer: MoELayer) -> str | None:
         )
     if not hasattr(router, "top_k"):
         return f"{layer.name}: router {type(router).__name__} has no `top_k`"
-    rule = routing_rule(router)
+    rule = read_rule(router)
     if rule.activation not in ("sigmoid", "softmax"):
         return f"{layer.name}: router activation {rule.activation!r} is not sigmoid or softmax"
     if router.weight.shape[0] % rule.n_group:
         return f"{layer.name}: {router.weight.shape[0]} experts do not split into {rule.n_group} groups"
     return None
-
-
-def _one_slot(layer: MoELayer) -> Callable:
-    """``(x [M, h], ids [M, 1], ones [M, 1]) -> [M, h]``: one routed expert per row with
-    weight 1, through the model's own dispatch (the router fit's per-slot call)."""
-    if layer.kind == "kimi":
-        block, original = layer.block, type(layer.block).moe_infer
-        return lambda x, ids, ones: original(block, x, ids, ones)
-    original = layer.experts.forward
-    return lambda x, ids, ones: original(x, ids, ones.to(x.dtype))
-
-
-@contextmanager
-def _dispatch(layer: MoELayer, fn: Callable) -> Iterator[None]:
-    """Within the context the block's routed dispatch is ``fn(x, ids, weights)``."""
-    if layer.kind == "kimi":
-        with _instance_attrs(layer.block, moe_infer=fn, moe_train=fn):
-            yield
-    else:
-        with _instance_attrs(layer.experts, forward=fn):
-            yield
 
 
 @contextmanager
@@ -252,10 +157,10 @@ class _TokenSet:
         self.layer, self.rule, self.x, self.y = layer, rule, x, y
         self.scores = router_scores(layer.router, x, rule)
         self.denominator = y.float().pow(2).sum().clamp_min(1e-30).item()
-        self.one_slot = _one_slot(layer)
+        self.one_slot = one_slot(layer)
         self.block_rows = 0
         self.expert_rows = 0
-        ids, weights = routing(self.scores, bias, rule)
+        ids, weights = route_scores(self.scores, bias, rule)
         seen = {}
 
         def record(h, r_ids, r_weights):
@@ -263,8 +168,8 @@ class _TokenSet:
             return self._mix(h, torch.arange(x.shape[0]), ids, weights, None, None)
 
         # the router's own choice on these tokens, against the rule replicated here
-        with torch.no_grad(), _dispatch(layer, record):
-            out = _output(layer.block(x.unsqueeze(0))).reshape(y.shape)
+        with torch.no_grad(), routed_dispatch(layer, record):
+            out = block_tensor(layer.block(x.unsqueeze(0))).reshape(y.shape)
         r_ids, r_weights = seen["ids"], seen["weights"]
         order, r_order = ids.argsort(dim=-1), r_ids.argsort(dim=-1)
         if not torch.equal(ids.gather(-1, order), r_ids.gather(-1, r_order)) or not torch.allclose(
@@ -311,7 +216,7 @@ class _TokenSet:
         scores, current = (
             (self.scores, self.ids) if rows is None else (self.scores[rows], self.ids[rows])
         )
-        ids, weights = routing(scores, biases, self.rule)  # [C, n, k]
+        ids, weights = route_scores(scores, biases, self.rule)  # [C, n, k]
         changed = (_sorted(ids) != _sorted(current).unsqueeze(0)).any(dim=-1)  # [C, n]
         cand, local = changed.nonzero(as_tuple=True)
         new_ids, new_weights = ids[cand, local], weights[cand, local]
@@ -345,8 +250,8 @@ class _TokenSet:
             return self._mix(h, tokens, ids, weights, self.ids, self.slots)
 
         self.block_rows += int(tokens.numel())
-        with torch.no_grad(), _dispatch(self.layer, dispatch):
-            return _output(self.layer.block(self.x[tokens].unsqueeze(0))).reshape(
+        with torch.no_grad(), routed_dispatch(self.layer, dispatch):
+            return block_tensor(self.layer.block(self.x[tokens].unsqueeze(0))).reshape(
                 tokens.shape[0], -1
             )
 
@@ -380,7 +285,7 @@ def _reachable(state, bias, expert, low, high, bounds=None) -> torch.Tensor | No
     ``[low, high]`` (``low <= 0 <= high``): without groups, an unselected expert enters
     only past the lowest selected value and a selected one leaves only below the highest
     unselected one; with groups (a group's score moves with its members) every token."""
-    if state.rule.n_group > state.rule.topk_group:
+    if state.rule.masks_groups:
         return None
     choice, selected, inside, outside = bounds or _boundaries(state, bias)
     mine, value = selected[:, expert], choice[:, expert]
@@ -422,8 +327,8 @@ def _candidates(state: _TokenSet, bias: torch.Tensor, expert: int, dtype):
 
 def _real_loss(layer, bias, x, y) -> float:
     """The layer-local loss with the block's own router and forward holding ``bias``."""
-    with torch.no_grad(), _with_bias(layer, bias), differentiable_dispatch(layer, _ExpertCache()):
-        return relative_error(_output(layer.block(x.unsqueeze(0))).reshape(y.shape), y).item()
+    with torch.no_grad(), _with_bias(layer, bias), differentiable_dispatch(layer, ExpertCache()):
+        return relative_error(block_tensor(layer.block(x.unsqueeze(0))).reshape(y.shape), y).item()
 
 
 def fit_bias(
@@ -457,18 +362,11 @@ def fit_bias(
     problem = bias_fit_problem(layer)
     if problem is not None:
         raise BiasFitError(problem)
-    if inputs.dim() != 2 or inputs.shape != targets.shape or inputs.shape[0] < 2:
-        raise BiasFitError(
-            f"{layer.name}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} "
-            "must both be [tokens >= 2, hidden]"
-        )
+    check_rows(layer.name, inputs, targets, 2, BiasFitError)
     cut = getattr(layer.router, BIAS_ATTR).detach()
     dtype = cut.dtype
-    rule = routing_rule(layer.router)
-    held = torch.zeros(inputs.shape[0], dtype=torch.bool)
-    held[HOLDOUT_EVERY - 1 :: HOLDOUT_EVERY] = True
-    if not held.any():
-        held[-1] = True
+    rule = read_rule(layer.router)
+    held = holdout_rows(inputs.shape[0])
     x_fit, y_fit, x_held, y_held = inputs[~held], targets[~held], inputs[held], targets[held]
 
     bias = cut.float().clone()
