@@ -72,7 +72,10 @@ def main() -> None:
     y = block_output(layer, x) * 1.01  # a target the fit can move towards
     forward = _best(lambda: block_output(layer, x), args.repeat)
     rows = [("forward (moe_infer)", forward)]
-    for name, params in (("router step", router_params(layer)), ("dense step", dense_params(layer))):
+    for name, params in (
+        ("router step", router_params(layer)),
+        ("dense step", dense_params(layer)),
+    ):
         one = _best(lambda p=params: fit_block(layer, x, y, p, steps=1), args.repeat)
         more = _best(lambda p=params: fit_block(layer, x, y, p, steps=1 + args.steps), args.repeat)
         rows.append((name, max(more - one, 0.0) / args.steps))
