@@ -14,6 +14,10 @@ bash scripts/bootstrap.sh
 # checks and the model card's held-out losses run on them, and fail (rather than skip) without them
 .venv/bin/python scripts/build_corpora.py
 export REAP_REQUIRE_CORPORA=1
+# llama.cpp's HF -> GGUF converter, extracted from the llama-cpp-python sdist (into the ignored
+# build/; ~30 s once, a no-op after): the GGUF oracle tests fail (rather than skip) without it
+bash scripts/llama_cpp_converter.sh
+export REAP_REQUIRE_GGUF_CONVERTER=1
 # the package map (pyproject.toml's import-linter contracts), lint and format, before any test
 .venv/bin/lint-imports
 .venv/bin/ruff check .

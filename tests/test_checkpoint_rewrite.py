@@ -509,15 +509,15 @@ def test_interrupted_write_leaves_no_dst(sources, tmp_path, monkeypatch, existin
         dst.mkdir()
         (dst / "old.txt").write_text("old")
     calls = {"n": 0}
-    real = ck._write_all
+    real = ck.copy_range  # one call per kept byte range
 
-    def failing(fd, view):
+    def failing(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 5:
             raise OSError("simulated disk failure mid-write")
-        return real(fd, view)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(ck, "_write_all", failing)
+    monkeypatch.setattr(ck, "copy_range", failing)
     with pytest.raises(OSError, match="simulated"):
         rewrite_checkpoint(f.path, plan, dst, force=True, progress=False)
     assert calls["n"] == 5

@@ -29,6 +29,8 @@ ORACLE_MODULES = {
     "checkpoint_oracle": "a saved checkpoint's tensors against the in-memory model and the source",
     "family_routing": "the hand-written router / bias table of the masked-routing oracle",
     "memory_probe": "which tensors are alive at once (the memory tests' measure)",
+    "gguf_oracle": "safetensors pruned by hand and converted by llama.cpp's converter",
+    "llama_cpp_probe": "a GGUF's logits in llama.cpp (run by the Python that has llama-cpp-python)",
 }
 #: reference functions in modules that also build inputs with the product
 ORACLE_FUNCTIONS = {
@@ -53,6 +55,7 @@ INPUT_BUILDERS = {
     "eval_models": "tiny checkpoints for reap eval, pruned by the rewriter",
     "family_flow": "runs the product's flow; its expected logits come from generic_oracle",
     "family_zoo": "tiny models of every family from transformers' configs",
+    "gguf_synth": "synthetic GGUF models and importance matrices (the gguf package's writer)",
     "k3_mxfp4_synth": "synthetic K3-shaped MXFP4 checkpoints",
     "scores_synth": "synthetic scores files (the product's container, filled by index_add)",
     "tiny_models": "tiny deterministic models",

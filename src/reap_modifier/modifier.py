@@ -34,7 +34,7 @@ from .calibration.progress import LayerProgress
 from .calibration.routed_only import calibrate_all_experts, set_calibrate_all_experts
 from .calibration_setup import CalibrationSetup, sample_positions
 from .checkpoint.compressed_save import saved_dtypes
-from .checkpoint.saved_config import fix_saved_expert_counts
+from .checkpoint.saved_config import fix_saved_expert_counts, spell_out_scoring_func
 from .decision import CutDecision
 from .layerwise import LayerwiseCut
 from .models import MoEArchitecture, find_moe_architecture
@@ -498,6 +498,7 @@ def _register() -> None:
         )
     )
     registries.add_saved_config_fixup(fix_saved_expert_counts)
+    registries.add_saved_config_fixup(spell_out_scoring_func)
     try:
         register_kimi_auto_classes()
     except Exception as exc:  # noqa: BLE001 - K3 support is optional at import

@@ -11,63 +11,61 @@ the output and makes it atomic; :mod:`.scores_cut` cuts a plan from a scores fil
 checkpoint; :mod:`.rewrite` is the entry point (``prepare_rewrite`` checks, ``RewriteJob.run``
 writes).
 (:mod:`reap_modifier.pause_points` is the test hook that stops a rewrite at a named point.)
+
+The names below are imported on first use (PEP 562), so that importing one module of the
+package (the GGUF tools use :mod:`.destination`) does not import compressed-tensors.
 """
 
-from .binding import (
-    ExpertRemap,
-    RewriteSpec,
-    bind_plan,
-    renumber_module_names,
-    resolve_block,
-)
-from .byte_copy import default_output_checksum, new_hasher
-from .converter import ExpertPlanPruner
-from .destination import DestinationClaim, check_destination, work_dir_kind
-from .errors import CheckpointError, DestinationError
-from .layout import COUNT_KEY_CONTAINERS, CheckpointLayout, find_count_keys, inspect_checkpoint
-from .moe_blocks import MoEBlock
-from .quantization import check_packed_scales
-from .rewrite import (
-    DEFAULT_METHOD,
-    RewriteJob,
-    inspect_source,
-    prepare_rewrite,
-    rewrite_checkpoint,
-)
-from .safetensors_header import ShardHeader, TensorEntry, read_safetensors_header
-from .scores_cut import ScoresCut, build_plan_from_scores
-from .source_hashes import SourceHasher, default_hash_cache
+from __future__ import annotations
 
-__all__ = [
-    "COUNT_KEY_CONTAINERS",
-    "CheckpointError",
-    "CheckpointLayout",
-    "DEFAULT_METHOD",
-    "DestinationClaim",
-    "DestinationError",
-    "ExpertPlanPruner",
-    "ExpertRemap",
-    "MoEBlock",
-    "RewriteJob",
-    "RewriteSpec",
-    "ScoresCut",
-    "ShardHeader",
-    "SourceHasher",
-    "TensorEntry",
-    "bind_plan",
-    "build_plan_from_scores",
-    "check_destination",
-    "check_packed_scales",
-    "default_hash_cache",
-    "default_output_checksum",
-    "find_count_keys",
-    "inspect_checkpoint",
-    "inspect_source",
-    "new_hasher",
-    "prepare_rewrite",
-    "read_safetensors_header",
-    "renumber_module_names",
-    "resolve_block",
-    "rewrite_checkpoint",
-    "work_dir_kind",
-]
+from importlib import import_module
+
+#: public name -> the module of this package that defines it
+_EXPORTS = {
+    "bind_plan": "binding",
+    "build_plan_from_scores": "scores_cut",
+    "check_destination": "destination",
+    "check_packed_scales": "quantization",
+    "CheckpointError": "errors",
+    "CheckpointLayout": "layout",
+    "COUNT_KEY_CONTAINERS": "layout",
+    "default_hash_cache": "source_hashes",
+    "DEFAULT_METHOD": "rewrite",
+    "default_output_checksum": "byte_copy",
+    "DestinationClaim": "destination",
+    "DestinationError": "errors",
+    "ExpertPlanPruner": "converter",
+    "ExpertRemap": "binding",
+    "find_count_keys": "layout",
+    "inspect_checkpoint": "layout",
+    "inspect_source": "rewrite",
+    "MoEBlock": "moe_blocks",
+    "new_hasher": "byte_copy",
+    "prepare_rewrite": "rewrite",
+    "read_safetensors_header": "safetensors_header",
+    "renumber_module_names": "binding",
+    "resolve_block": "binding",
+    "rewrite_checkpoint": "rewrite",
+    "RewriteJob": "rewrite",
+    "RewriteSpec": "binding",
+    "ScoresCut": "scores_cut",
+    "ShardHeader": "safetensors_header",
+    "SourceHasher": "source_hashes",
+    "TensorEntry": "safetensors_header",
+    "work_dir_kind": "destination",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

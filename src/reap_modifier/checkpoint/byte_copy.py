@@ -1,27 +1,36 @@
 """Streaming byte-range copy: an output shard written from runs of source bytes.
 
-Kept tensors are never decoded: the writer reads only the kept byte ranges of the
-source shard (``preadv``), writes them behind a new header and checksums what it
-writes on a helper thread, over a small ring of buffers, whatever the shard size.
+Kept tensors are never decoded: the writer copies only the kept byte ranges of the
+source shard behind a new header, in the kernel (``os.copy_file_range``: no copy through
+user space, extents shared where the filesystem can), then checksums the file as written,
+mapped read-only from the page cache one window at a time. Where the kernel cannot copy between the two files,
+the ranges go through one buffer (``preadv`` / ``pwrite``). Memory: that buffer at most,
+whatever the shard size.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from .errors import CheckpointError
 
-__all__ = ["ByteMover", "CHUNK_BYTES", "default_output_checksum", "merge_ranges", "new_hasher"]
+__all__ = [
+    "ByteMover",
+    "CHUNK_BYTES",
+    "checksum_fd",
+    "copy_range",
+    "default_output_checksum",
+    "merge_ranges",
+    "new_hasher",
+]
 
-#: streaming I/O: chunk size and number of ring buffers (memory = CHUNK * BUFFERS)
+#: streaming I/O: bytes per kernel copy (a progress step) and of the fallback buffer
 #: (``REAP_CHUNK_MB`` may be fractional: the interruption tests use ~10 KiB chunks)
 CHUNK_BYTES = max(4096, int(float(os.environ.get("REAP_CHUNK_MB", "16")) * (1 << 20)))
-RING_BUFFERS = 3
 
 
 def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -66,37 +75,69 @@ def new_hasher(kind: str):
     raise CheckpointError(f"unknown checksum {kind!r}; use sha256 or xxh3_128")
 
 
-#: gaps between kept byte ranges smaller than this are read through (one read
-#: instead of two); they are never written
-READ_THROUGH_GAP = 64 << 10
+#: errors of ``copy_file_range`` that mean "not between these files": copy through a buffer
+_NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM)
 
 
-def _read_windows(segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for b, e in segments:
-        if out and b - out[-1][1] < READ_THROUGH_GAP:
-            out[-1] = (out[-1][0], e)
-        else:
-            out.append((b, e))
-    return out
+def copy_range(
+    fd_in: int,
+    fd_out: int,
+    begin: int,
+    end: int,
+    out_pos: int,
+    *,
+    chunk: int | None = None,
+    buffer: memoryview | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Copy bytes ``[begin, end)`` of ``fd_in`` to offset ``out_pos`` of ``fd_out``, in
+    pieces of at most ``chunk`` bytes (``progress`` is called after each): in the kernel
+    where it can, else through ``buffer``.
+
+    :raises CheckpointError: the source ends before ``end``
+    """
+    chunk = chunk or CHUNK_BYTES
+    kernel = True
+    while begin < end:
+        want = min(chunk, end - begin)
+        n = 0
+        if kernel:
+            try:
+                n = os.copy_file_range(fd_in, fd_out, want, begin, out_pos)
+            except OSError as exc:
+                if exc.errno not in _NO_KERNEL_COPY:
+                    raise
+                kernel = False
+        if not kernel:
+            buf = buffer if buffer is not None else memoryview(bytearray(min(chunk, end - begin)))
+            n = os.preadv(fd_in, [buf[: min(want, len(buf))]], begin)
+            done = 0
+            while done < n:
+                done += os.pwrite(fd_out, buf[done:n], out_pos + done)
+        if n <= 0:
+            raise CheckpointError(f"unexpected end of the source at byte {begin}")
+        if progress is not None:
+            progress(n)
+        begin += n
+        out_pos += n
 
 
 class ByteMover:
-    """Copies byte ranges of a source file into a new file and hashes what it writes.
+    """Copies byte ranges of a source file into a new file and checksums what it wrote.
 
-    The main thread reads (``preadv``, only the kept ranges) and writes; a helper
-    thread checksums the written pieces (hashlib / xxhash release the GIL), over a
-    ring of :data:`RING_BUFFERS` buffers of :data:`CHUNK_BYTES` allocated once per
-    rewrite.  Memory: the ring, whatever the shard size.
+    The ranges are copied in the kernel (:func:`copy_range`); the new file is then
+    checksummed as the page cache holds it (:func:`checksum_fd`: mapped read-only, one
+    window at a time, no copy to user space). A
+    buffer of :data:`CHUNK_BYTES` is allocated only where the kernel cannot copy.
+    Memory: that buffer at most, whatever the shard size.
     """
 
     def __init__(self, kind: str = "sha256"):
         self.kind = kind
-        self.ring = [memoryview(bytearray(CHUNK_BYTES)) for _ in range(RING_BUFFERS)]
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="reap-out-hash")
+        self._buffer: memoryview | None = None
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        self._buffer = None
 
     def copy(
         self,
@@ -110,62 +151,57 @@ class ByteMover:
     ) -> str:
         """Write ``head`` then source byte ``segments`` (ascending) to ``dst``; return
         the checksum (:attr:`kind`) of ``dst``."""
-        out_h = new_hasher(self.kind)
-        out_h.update(head)
-        pending: list[Future | None] = [None] * RING_BUFFERS
-        slot = 0
-        seg = deque(segments)
         fd_in = os.open(src, os.O_RDONLY)
         try:
-            fd_out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd_out = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 _write_all(fd_out, memoryview(head))
-                for w_begin, w_end in _read_windows(segments):
-                    pos = w_begin
-                    while pos < w_end:
-                        if pending[slot] is not None:
-                            pending[slot].result()
-                            pending[slot] = None
-                        buf = self.ring[slot]
-                        n = os.preadv(fd_in, [buf[: min(CHUNK_BYTES, w_end - pos)]], pos)
-                        if n <= 0:
-                            raise CheckpointError(f"{src}: unexpected end of file at byte {pos}")
-                        chunk, end = buf[:n], pos + n
-                        pieces = []
-                        while seg and seg[0][0] < end:
-                            b, e = seg[0]
-                            lo, hi = max(b, pos), min(e, end)
-                            if lo < hi:
-                                pieces.append(chunk[lo - pos : hi - pos])
-                            if e <= end:
-                                seg.popleft()
-                            else:
-                                break
-                        pending[slot] = self.pool.submit(_update_all, out_h, pieces)
-                        for piece in pieces:
-                            _write_all(fd_out, piece)
-                        if progress is not None:
-                            progress(sum(len(p) for p in pieces))
-                        if after_first_chunk is not None:
-                            after_first_chunk()
-                            after_first_chunk = None
-                        pos = end
-                        slot = (slot + 1) % RING_BUFFERS
-                if seg:
-                    raise CheckpointError(
-                        f"internal error: {len(seg)} byte range(s) of {src} not written"
-                    )
+                pos = len(head)
+                first = [after_first_chunk]
+
+                def step(n: int) -> None:
+                    if progress is not None:
+                        progress(n)
+                    if first[0] is not None:
+                        hook, first[0] = first[0], None
+                        hook()
+
+                for b, e in merge_ranges(segments):
+                    try:
+                        copy_range(
+                            fd_in, fd_out, b, e, pos, buffer=self._fallback_buffer, progress=step
+                        )
+                    except CheckpointError as exc:
+                        raise CheckpointError(f"{src}: {exc}") from None
+                    pos += e - b
+                return checksum_fd(fd_out, pos, self.kind)
             finally:
-                for i, f in enumerate(pending):  # never leave a buffer in use
-                    if f is not None:
-                        f.result()
-                        pending[i] = None
                 os.close(fd_out)
         finally:
             os.close(fd_in)
-        return out_h.hexdigest()
+
+    @property
+    def _fallback_buffer(self) -> memoryview:
+        if self._buffer is None or len(self._buffer) != CHUNK_BYTES:
+            self._buffer = memoryview(bytearray(CHUNK_BYTES))
+        return self._buffer
 
 
-def _update_all(h, pieces) -> None:
-    for p in pieces:
-        h.update(p)
+def checksum_fd(fd: int, size: int, kind: str) -> str:
+    """The checksum ``kind`` of the first ``size`` bytes of the open file ``fd``, read
+    from the page cache through read-only mappings of :data:`CHUNK_BYTES` (rounded to the
+    mapping granularity), one at a time: no copy to user space, and the process's resident
+    memory grows by one window at most."""
+    import mmap
+
+    h = new_hasher(kind)
+    gran = mmap.ALLOCATIONGRANULARITY
+    window = max(gran, CHUNK_BYTES // gran * gran)
+    for offset in range(0, size, window):
+        with mmap.mmap(fd, min(window, size - offset), prot=mmap.PROT_READ, offset=offset) as mm:
+            view = memoryview(mm)
+            try:
+                h.update(view)
+            finally:
+                view.release()
+    return h.hexdigest()

@@ -59,7 +59,7 @@ class ExpertPlanPruner(_ConverterBase):
         self._mover: ByteMover | None = None
 
     def close(self) -> None:
-        """Release the writer's buffers and helper thread."""
+        """Release the writer's buffer."""
         if self._mover is not None:
             self._mover.close()
             self._mover = None

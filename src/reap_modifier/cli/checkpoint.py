@@ -27,7 +27,8 @@ __all__ = ["register"]
 
 PRUNE_EXAMPLE = (
     "Examples: reap prune /models/K3 --scores scores.safetensors --keep 448 --divisible-by 8 "
-    "--out /models/K3-448 ; reap prune /models/K3 --plan plan.json --out /models/K3-448"
+    "--out /models/K3-448 ; reap prune /models/K3 --plan plan.json --out /models/K3-448 ; "
+    "reap prune model-Q4_K_M.gguf --plan plan.json -o model-448-Q4_K_M.gguf"
 )
 VERIFY_EXAMPLE = (
     "Example: reap verify /models/K3-448 --source /models/K3; "
@@ -103,13 +104,35 @@ def _run_prune(job) -> Path:
 def _prune(
     src, out, scores, plan, cut: dict, extra_layers, save_plan, force, options: dict
 ) -> None:
-    """``reap prune``'s work: check the options, prepare the job, save the plan, run."""
+    """``reap prune``'s work: check the options, prepare the job, save the plan, run (a GGUF
+    source goes to :func:`~reap_modifier.cli.gguf.prune_gguf`)."""
+    from ..gguf.layout import is_gguf
+
     keep, sparsity, divisible_by = cut["keep"], cut["sparsity"], cut["divisible_by"]
     _check_prune_args(scores, plan, keep, sparsity, divisible_by, options["output_checksum"])
     if extra_layers not in ("error", "like-last"):
         fail(f"--extra-layers must be 'error' or 'like-last', got {extra_layers!r}")
     if save_plan is not None and save_plan.is_dir():
         fail(f"--save-plan {save_plan} is a directory; give the path of the JSON file to write")
+    gguf = options.pop("gguf")
+    if is_gguf(src):
+        from .gguf import prune_gguf
+
+        prune_gguf(
+            src,
+            out,
+            scores,
+            plan,
+            cut,
+            extra_layers,
+            save_plan,
+            force,
+            {**options, "gguf": gguf},
+            _run_prune,
+        )
+        return
+    if any(v for v in gguf.values()):
+        fail("--imatrix / --imatrix-out / --no-provenance apply to a GGUF source (a .gguf file)")
     job = _prepare_prune(
         src,
         out,
@@ -134,11 +157,17 @@ def _verify(dst: Path, source: Path | None, quiet: bool) -> None:
     """``reap verify`` without vLLM: run the checks, print the verdict (exit 1 on failure)."""
     from ..checkpoint.errors import CheckpointError
     from ..checkpoint.verify import verify_checkpoint
+    from ..gguf.layout import is_gguf
 
-    try:
-        report = verify_checkpoint(dst, source=source, progress=not quiet)
-    except (OSError, CheckpointError) as exc:
-        fail(f"{dst}: verification could not read the files ({exc})", EXIT_CHECK_FAILED)
+    if is_gguf(dst):
+        from .gguf import verify_gguf_cli
+
+        report = verify_gguf_cli(dst, source, quiet)
+    else:
+        try:
+            report = verify_checkpoint(dst, source=source, progress=not quiet)
+        except (OSError, CheckpointError) as exc:
+            fail(f"{dst}: verification could not read the files ({exc})", EXIT_CHECK_FAILED)
     for w in report.warnings:
         typer.echo(f"warning: {w}", err=True)
     if not report.ok:
@@ -174,13 +203,14 @@ def _register_prune(app: typer.Typer) -> None:
     @app.command("prune", epilog=PRUNE_EXAMPLE)
     def prune(
         src: Path = typer.Argument(
-            ..., help="source checkpoint directory (safetensors, e.g. MXFP4 compressed-tensors)"
+            ...,
+            help="source checkpoint directory (safetensors, e.g. MXFP4 compressed-tensors), or a llama.cpp .gguf file (the first part of a split)",
         ),
         out: Path = typer.Option(
             ...,
             "--out",
             "-o",
-            help="output directory (written to a temp dir next to it, then renamed)",
+            help="output directory, or .gguf file for a GGUF source (a directory for a split one); written next to it, then renamed",
         ),
         scores: Path | None = typer.Option(
             None, "--scores", help="scores file (safetensors) to cut the plan from"
@@ -226,9 +256,22 @@ def _register_prune(app: typer.Typer) -> None:
             "--output-checksum",
             help="checksum recorded per output shard: xxh3_128 or sha256 (default: xxh3_128 when the xxhash package is installed, else sha256)",
         ),
+        imatrix: Path | None = typer.Option(
+            None,
+            "--imatrix",
+            help="GGUF source only: the source's importance matrix (GGUF format) to slice like the model",
+        ),
+        imatrix_out: Path | None = typer.Option(
+            None, "--imatrix-out", help="GGUF source only: where the sliced importance matrix goes"
+        ),
+        no_provenance: bool = typer.Option(
+            False,
+            "--no-provenance",
+            help="GGUF source only: no reap.* keys (source count, kept ids); the file is then byte-identical to converting the pruned safetensors, and reap verify cannot compare it with its source",
+        ),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
     ):
-        """Prune routed experts from a checkpoint: kept experts' bytes copied verbatim."""
+        """Prune routed experts from a checkpoint or GGUF file: kept experts' bytes copied verbatim."""
         _prune(
             src,
             out,
@@ -243,6 +286,7 @@ def _register_prune(app: typer.Typer) -> None:
                 hash_source=not no_hash_source,
                 hash_cache=False if no_hash_cache else None,
                 output_checksum=output_checksum,
+                gguf=dict(imatrix=imatrix, imatrix_out=imatrix_out, no_provenance=no_provenance),
             ),
         )
 
@@ -252,9 +296,13 @@ def _register_verify(app: typer.Typer) -> None:
 
     @app.command("verify", epilog=VERIFY_EXAMPLE)
     def verify(
-        dst: Path = typer.Argument(..., help="checkpoint directory to verify (a pruned output)"),
+        dst: Path = typer.Argument(
+            ..., help="checkpoint directory or .gguf file to verify (a pruned output)"
+        ),
         source: Path | None = typer.Option(
-            None, "--source", help="the source checkpoint: compare every tensor's sha256"
+            None,
+            "--source",
+            help="the source checkpoint or .gguf: compare every tensor's sha256 (a GGUF's kept slabs)",
         ),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
         vllm: bool = typer.Option(
@@ -283,9 +331,34 @@ def _register_verify(app: typer.Typer) -> None:
         vllm_work_dir: Path | None = typer.Option(
             None, "--vllm-work-dir", help="where server logs and the JSON report go"
         ),
+        llama_cpp: bool = typer.Option(
+            False,
+            "--llama-cpp",
+            help="GGUF only: also run it in llama.cpp (llama-cpp-python) and compare its logits with --reference in transformers",
+        ),
+        reference: Path | None = typer.Option(
+            None,
+            "--reference",
+            help="with --llama-cpp: the checkpoint the GGUF must compute (e.g. the pruned safetensors)",
+        ),
+        llama_cpp_python: Path | None = typer.Option(
+            None,
+            "--llama-cpp-python",
+            help="Python of an environment with llama-cpp-python (default: $REAP_LLAMA_CPP_PYTHON, ./.venv-llama-cpp/bin/python)",
+        ),
     ):
         """Check a pruned checkpoint: counts, routers, expert indices, manifest, and (with --source) bytes."""
+        if vllm and dst.suffix.lower() == ".gguf":
+            fail(
+                "--vllm checks safetensors checkpoints; a .gguf file runs in llama.cpp: drop --vllm"
+            )
+        if llama_cpp and reference is None:
+            fail("--llama-cpp compares with a transformers checkpoint: give --reference DIR")
         _verify(dst, source, quiet)
+        if llama_cpp:
+            from .gguf import verify_with_llama_cpp
+
+            verify_with_llama_cpp(dst, reference, llama_cpp_python)
         if vllm:
             _verify_with_vllm(
                 dst,

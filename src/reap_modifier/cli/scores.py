@@ -239,7 +239,9 @@ def _print_support(s) -> None:
     epilog="Example: reap scores from-weights /models/K3 --method router_l1 -o l1.safetensors",
 )
 def from_weights_cmd(
-    checkpoint: Path = typer.Argument(..., help="safetensors checkpoint folder (or one file)"),
+    checkpoint: Path = typer.Argument(
+        ..., help="safetensors checkpoint folder (or one file), or a llama.cpp .gguf model"
+    ),
     method: Literal[BASELINE_METHODS] = typer.Option(
         ...,
         "--method",
@@ -250,10 +252,16 @@ def from_weights_cmd(
 ) -> None:
     """A calibration-free baseline scores file computed from router weights alone
     (reads only the router tensors; the model is never loaded)."""
+    from ..gguf.layout import is_gguf
     from ..scores.baselines import scores_from_weights
 
     try:
-        s = scores_from_weights(checkpoint, method, seed=seed)
+        if is_gguf(checkpoint):
+            from ..gguf.routers import gguf_scores_from_weights
+
+            s = gguf_scores_from_weights(checkpoint, method, seed=seed)
+        else:
+            s = scores_from_weights(checkpoint, method, seed=seed)
         s.save(output)
     except _ERRORS as exc:
         fail(exc)

@@ -1,0 +1,155 @@
+"""Pruned GGUFs run in llama.cpp (llama-cpp-python): the logits of ``reap prune``'s output
+equal transformers' on the hand-pruned model (f32 GGUF, f32 KV cache: within 1e-4), and for
+a sigmoid router with a bias, the unpruned GGUF with ``exp_probs_b = -1e30`` on the dropped
+experts gives exactly the pruned GGUF's logits in llama.cpp (the masked-routing oracle, no
+transformers at all).
+
+Needs ``scripts/llama_cpp_venv.sh`` (a build of minutes, not run by ``scripts/test.sh``) and
+the converter: skipped without them unless ``REAP_REQUIRE_LLAMA_CPP=1``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf_oracle import ROOT, bpe_tokenizer, convert, prune_safetensors, require_converter
+
+from reap_modifier.gguf import prepare_gguf_rewrite
+from reap_modifier.scores.plan import PruningPlan
+
+PYTHON = Path(os.environ.get("REAP_LLAMA_CPP_PYTHON", ROOT / ".venv-llama-cpp/bin/python"))
+PROBE = Path(__file__).parent / "oracles" / "llama_cpp_probe.py"
+IDS = [1, 17, 5, 99, 42, 8, 63, 120, 3, 77, 31, 12]
+KEPT = {
+    "qwen3_moe": {0: [1, 2, 5, 7, 8, 11, 12, 15], 1: [0, 3, 4, 6, 9, 10, 13, 14]},
+    "deepseek_v3": {1: [0, 2, 5, 6, 8, 11, 13, 15], 2: [1, 3, 4, 7, 9, 10, 14, 15]},
+}
+SIZES = {
+    "qwen3_moe": dict(num_experts=16, hidden_size=64, moe_intermediate_size=32, head_dim=32),
+    # llama.cpp's deepseek2 loader needs a q_lora_rank (the real model has one)
+    "deepseek_v3": dict(
+        hidden_size=64, moe_intermediate_size=32, intermediate_size=64, q_lora_rank=16
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def llama_cpp():
+    require_converter()
+    ok = PYTHON.is_file() and subprocess.run([PYTHON, "-c", "import llama_cpp"]).returncode == 0
+    if not ok:
+        why = f"no llama-cpp-python at {PYTHON}: run scripts/llama_cpp_venv.sh"
+        if os.environ.get("REAP_REQUIRE_LLAMA_CPP"):
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+def llama_logits(path: Path, tmp: Path) -> np.ndarray:
+    out = tmp / f"{path.stem}.logits.npy"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [PYTHON, PROBE, str(path), json.dumps(IDS), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return np.load(out)
+
+
+def transformers_logits(model_dir: Path) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([IDS])).logits[0].numpy()
+
+
+def saved_model(family: str, root: Path) -> Path:
+    """A tiny model saved with a tokenizer; DeepSeek-V3's config states its sigmoid routing
+    (transformers' does not, and llama.cpp's converter needs it)."""
+    from tiny_models import build_tiny
+
+    torch.set_num_threads(1)
+    model, _ = build_tiny(family, **SIZES[family])
+    src = root / family
+    model.save_pretrained(src)
+    bpe_tokenizer().save_pretrained(src)
+    if family == "deepseek_v3":
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["scoring_func"] = "sigmoid"
+        (src / "config.json").write_text(json.dumps(cfg, indent=2))
+    return src
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_pruned_gguf_logits_equal_transformers(llama_cpp, tmp_path, family):
+    src = saved_model(family, tmp_path)
+    pruned = tmp_path / f"{family}-pruned"
+    prune_safetensors(src, pruned, KEPT[family])
+    gguf_src = convert(src, tmp_path / "src.gguf", "f32")
+    ours = tmp_path / "ours.gguf"
+    plan = PruningPlan(
+        kept={f"model.layers.{L}.mlp": v for L, v in KEPT[family].items()}, num_experts=16
+    )
+    prepare_gguf_rewrite(gguf_src, plan, ours, progress=False).run()
+    got = llama_logits(ours, tmp_path)
+    want = transformers_logits(pruned)
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() < 1e-4, np.abs(got - want).max()
+    # and the unpruned model differs by far more: the check can see a wrong cut
+    assert np.abs(llama_logits(gguf_src, tmp_path) - want).max() > 1e-2
+
+
+def test_masked_routing_oracle_in_llama_cpp(llama_cpp, tmp_path):
+    """DeepSeek-V3 (sigmoid + ``exp_probs_b``, 4 groups): the unpruned GGUF with the
+    dropped experts' bias at -1e30 routes exactly as the pruned one."""
+    import gguf
+
+    src = saved_model("deepseek_v3", tmp_path)
+    gguf_src = convert(src, tmp_path / "src.gguf", "f32")
+    masked = tmp_path / "masked.gguf"
+    masked.write_bytes(gguf_src.read_bytes())
+    reader = gguf.GGUFReader(masked, "r+")
+    for t in reader.tensors:
+        if t.name.endswith("exp_probs_b.bias"):
+            layer = int(t.name.split(".")[1])
+            dropped = [e for e in range(16) if e not in KEPT["deepseek_v3"][layer]]
+            t.data[dropped] = -1e30
+    reader.data.flush()
+    del reader
+    ours = tmp_path / "ours.gguf"
+    plan = PruningPlan(
+        kept={f"model.layers.{L}.mlp": v for L, v in KEPT["deepseek_v3"].items()}, num_experts=16
+    )
+    prepare_gguf_rewrite(gguf_src, plan, ours, progress=False).run()
+    diff = np.abs(llama_logits(ours, tmp_path) - llama_logits(masked, tmp_path)).max()
+    assert diff == 0.0, diff
+
+
+def test_reap_verify_llama_cpp(llama_cpp, tmp_path):
+    """``reap verify X.gguf --llama-cpp --reference DIR`` passes against the pruned model and
+    fails against the unpruned one."""
+    from badinput import cli
+
+    src = saved_model("qwen3_moe", tmp_path)
+    pruned = tmp_path / "pruned"
+    prune_safetensors(src, pruned, KEPT["qwen3_moe"])
+    gguf_src = convert(src, tmp_path / "src.gguf", "f32")
+    plan = PruningPlan(
+        kept={f"model.layers.{L}.mlp": v for L, v in KEPT["qwen3_moe"].items()}, num_experts=16
+    )
+    ours = prepare_gguf_rewrite(gguf_src, plan, tmp_path / "ours.gguf", progress=False).run()
+    py = ["--llama-cpp-python", PYTHON]
+    res = cli("verify", ours, "--source", gguf_src, "--llama-cpp", "--reference", pruned, *py, "-q")
+    assert res.exit_code == 0, res.output
+    assert "llama.cpp check OK" in res.output
+    res = cli("verify", ours, "--llama-cpp", "--reference", src, *py, "-q")
+    assert res.exit_code == 1 and "llama.cpp check FAILED" in res.output
+    res = cli("verify", ours, "--llama-cpp", "-q")
+    assert res.exit_code == 2 and "give --reference" in res.output
