@@ -591,8 +591,8 @@ def sweep(
 
 def growth_table(rows: list[dict], fits: dict) -> str:
     lines = [
-        "| stage | base s | s ~ tokens^ | s ~ layers^ | s ~ experts^ | s ~ vocab^ | base peak GiB |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| stage | base s | " + " | ".join(f"s ~ {a}^" for a in AXES) + " | base peak GiB |",
+        "|---|---:|" + "---:|" * len(AXES) + "---:|",
     ]
     for r in rows:
         sl = fits[r["stage"]].get("seconds", {})
