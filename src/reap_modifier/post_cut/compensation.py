@@ -53,7 +53,7 @@ from .block_fit import (
     relative_error,
     tensors_written,
 )
-from .dispatch import dispatch_problem
+from .dispatch import block_tensor, dispatch_problem
 from .errors import CompensationError
 from .router_fit import router_fit_problem, router_params
 
@@ -197,7 +197,7 @@ def _probe(layer: MoELayer, inputs: torch.Tensor, paths: list[str]):
 
     def run() -> torch.Tensor:
         out = block(inputs.unsqueeze(0))
-        return (out[0] if isinstance(out, tuple) else out).reshape(inputs.shape[0], -1).double()
+        return block_tensor(out).reshape(inputs.shape[0], -1).double()
 
     try:
         with torch.no_grad():
