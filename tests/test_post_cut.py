@@ -283,7 +283,7 @@ def test_block_error_selection_rechooses_the_kept_experts(tmp_path, tokenizer, m
     oracle = _selection_with_oracle(monkeypatch)
     # the selection evaluates cached expert outputs, the oracle the bf16 block's own forward
     tol = 3e-3
-    _oneshot(model, modifier, tokenizer)
+    _oneshot(model, modifier, tokenizer, output_dir=str(tmp_path / "dst"))
     selection = modifier.router_fit["selection"]
     assert selection["method"] == "block_error" and set(selection["layers"]) == set(reap.plan.kept)
     searched = {n: rec["kept"] for n, rec in selection["layers"].items()}
@@ -326,6 +326,12 @@ def test_block_error_selection_rechooses_the_kept_experts(tmp_path, tokenizer, m
     assert "REAP's cut applied" in line or "reap's cut applied" in line, line
     assert json.loads(manifest.read_text())["saliency"] == "reap"
     assert model.config.text_config.num_experts == 8
+    # what was kept is what was saved: the reloaded checkpoint computes the in-memory model
+    ids = sample_input_ids(128, batch=1, seq=12, seed=2)
+    with torch.no_grad():
+        memory = model(input_ids=ids, use_cache=False).logits
+    reloaded = fresh_process_logits("kimi_k3", tmp_path / "dst", ids, tmp_path / "reloaded.pt")
+    torch.testing.assert_close(reloaded, memory, rtol=0, atol=1e-5)
 
 
 def test_selection_options_need_block_error():
