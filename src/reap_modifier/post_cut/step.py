@@ -238,18 +238,23 @@ class PostCutStep:
                 f"({len(held) / max(samples, 1):.0%}): a small calibration gives the held-out "
                 "check few samples and the fits few rows"
             )
-        mine = [held[j] for j in self._mine]
-        groups = [h[2] for h in mine] if held[0][2] is not None else None
-        validation = ValidationSet([h[1] for h in mine], groups)
+        groups = self._held_groups()
+        validation = ValidationSet(
+            [held[j][1] for j in self._mine],
+            None if groups is None else [groups[j] for j in self._mine],
+        )
         validation.record_reference(model)
         return validation
 
+    def _held_groups(self) -> list[str] | None:
+        """Each held-out sample's group, in one process's order (``None``: no groups)."""
+        held = self._held
+        return [h[2] for h in held] if held and held[0][2] is not None else None
+
     def _kl(self, model) -> HeldOutKL:
         """The model's held-out KL on every held-out sample (each rank's joined)."""
-        held = self._held
-        groups = [h[2] for h in held] if held and held[0][2] is not None else None
         local = self._validation.kl(model)
-        return ranks.joined_kl(local, self._mine, len(held), groups, self.group)
+        return ranks.joined_kl(local, self._mine, len(self._held), self._held_groups(), self.group)
 
     # -- stages 5-6: components and record (on the cut model) ------------------------
 
@@ -280,8 +285,7 @@ class PostCutStep:
     def _validation_record(self, cut: HeldOutKL | None, final: HeldOutKL | None) -> dict | None:
         if self._validation is None:
             return None
-        s, held = self.settings, self._held
-        groups = [h[2] for h in held] if held[0][2] is not None else None
+        s, held, groups = self.settings, self._held, self._held_groups()
         return {
             "holdout_every_batch": s.holdout_every,
             "batches": len(held),
