@@ -15,7 +15,14 @@ import pytest
 import torch
 from badinput import cli
 from gguf_oracle import convert, field_values, require_converter, tensor_bytes
-from k3_testbed import N_LAYERS, build_k3_testbed, prune_with_reap
+from k3_testbed import (
+    IDS,
+    LLAMA_CPP_TOL,
+    N_LAYERS,
+    build_k3_testbed,
+    prune_with_reap,
+    reference_logits,
+)
 from mxfp4_fixtures import kept_experts_are_source_bytes, tensor_sha256
 from oracles import masked_routing
 from tiny_models import reload_class, sample_input_ids
@@ -112,3 +119,15 @@ def test_gguf_prune_byte_identical_to_converting_the_pruned_k3(testbed, tmp_path
     }
     res = cli("verify", with_keys, "--source", src, "-q")
     assert res.exit_code == 0 and "OK" in res.output, res.output
+
+
+def test_llama_cpp_tolerance_covers_the_q8_0_rounding(testbed):
+    """The tolerance of the llama.cpp check (``test_gguf_llama_cpp.py``): transformers with
+    every routed expert's input rounded to q8_0, as llama.cpp's CPU MXFP4 kernel reads it,
+    moves the pruned model's logits by under half of it; the unpruned model is far off."""
+    src, pruned, _, _ = testbed
+    exact = reference_logits(pruned, IDS)
+    rounded = reference_logits(pruned, IDS, q8_0_expert_inputs=True)
+    assert 0 < abs(exact - rounded).max() < LLAMA_CPP_TOL / 2
+    assert (exact.argmax(-1) == rounded.argmax(-1)).all()
+    assert abs(reference_logits(src, IDS) - exact).max() > 5 * LLAMA_CPP_TOL

@@ -2,7 +2,9 @@
 equal transformers' on the hand-pruned model (f32 GGUF, f32 KV cache: within 1e-4), and for
 a sigmoid router with a bias, the unpruned GGUF with ``exp_probs_b = -1e30`` on the dropped
 experts gives exactly the pruned GGUF's logits in llama.cpp (the masked-routing oracle, no
-transformers at all).
+transformers at all). The K3 test-bed (``k3_testbed``: situ, attention residuals, MXFP4
+routed experts) gets both checks too, its tolerance that of llama.cpp's q8_0 rounding of
+the MXFP4 experts' inputs.
 
 Needs ``scripts/llama_cpp_venv.sh`` (a build of minutes, not run by ``scripts/test.sh``) and
 the converter: skipped without them unless ``REAP_REQUIRE_LLAMA_CPP=1``."""
@@ -49,11 +51,11 @@ def llama_cpp():
         pytest.skip(why)
 
 
-def llama_logits(path: Path, tmp: Path) -> np.ndarray:
+def llama_logits(path: Path, tmp: Path, ids: list[int] = IDS) -> np.ndarray:
     out = tmp / f"{path.stem}.logits.npy"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [PYTHON, PROBE, str(path), json.dumps(IDS), str(out)],
+        [PYTHON, PROBE, str(path), json.dumps(ids), str(out)],
         capture_output=True,
         text=True,
         env=env,
@@ -153,3 +155,56 @@ def test_reap_verify_llama_cpp(llama_cpp, tmp_path):
     assert res.exit_code == 1 and "llama.cpp check FAILED" in res.output
     res = cli("verify", ours, "--llama-cpp", "-q")
     assert res.exit_code == 2 and "give --reference" in res.output
+
+
+@pytest.fixture(scope="module")
+def k3(llama_cpp, tmp_path_factory):
+    """The K3 test-bed pruned by the modifier, its unpruned f32 GGUF (MXFP4 experts) and
+    ``reap prune``'s cut of it: (root, plan, source GGUF, pruned GGUF)."""
+    from k3_testbed import build_k3_testbed, prune_with_reap
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("k3-llama-cpp")
+    build_k3_testbed(root / "src")
+    plan = prune_with_reap(root / "src", root / "pruned")
+    gguf_src = convert(root / "src", root / "src.gguf", "f32")
+    ours = prepare_gguf_rewrite(gguf_src, plan, root / "ours.gguf", progress=False).run()
+    return root, plan, gguf_src, ours
+
+
+def test_k3_pruned_gguf_logits_equal_transformers(k3, tmp_path):
+    """The pruned K3 GGUF in llama.cpp against transformers on the modifier's pruned
+    checkpoint (experts dequantized): within ``LLAMA_CPP_TOL``, the same top-1 token
+    everywhere; the unpruned GGUF is far off."""
+    from k3_testbed import IDS as K3_IDS
+    from k3_testbed import LLAMA_CPP_TOL, reference_logits
+
+    root, _, gguf_src, ours = k3
+    got = llama_logits(ours, tmp_path, K3_IDS)
+    want = reference_logits(root / "pruned", K3_IDS)
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() < LLAMA_CPP_TOL, np.abs(got - want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    assert np.abs(llama_logits(gguf_src, tmp_path, K3_IDS) - want).max() > 5 * LLAMA_CPP_TOL
+
+
+def test_k3_masked_routing_oracle_in_llama_cpp(k3, tmp_path):
+    """K3 (sigmoid + ``exp_probs_b``, latent MoE, MXFP4): the unpruned GGUF with the
+    dropped experts' bias at -1e30 gives exactly the pruned GGUF's logits."""
+    import gguf
+    from k3_testbed import IDS as K3_IDS
+
+    _, plan, gguf_src, ours = k3
+    kept = {int(k.split(".")[3]): v for k, v in plan.kept.items()}
+    masked = tmp_path / "masked.gguf"
+    masked.write_bytes(gguf_src.read_bytes())
+    reader = gguf.GGUFReader(masked, "r+")
+    for t in reader.tensors:
+        if t.name.endswith("exp_probs_b.bias"):
+            layer = int(t.name.split(".")[1])
+            t.data[[e for e in range(plan.num_experts) if e not in kept[layer]]] = -1e30
+    reader.data.flush()
+    del reader
+    got = llama_logits(ours, tmp_path, K3_IDS)
+    diff = np.abs(got - llama_logits(masked, tmp_path, K3_IDS)).max()
+    assert diff == 0.0, diff

@@ -34,6 +34,12 @@ if str(HERE) not in sys.path:
 import paths  # noqa: E402,F401  (tests/helpers and tests/oracles importable by name)
 
 N_LAYERS = 4
+#: the token ids the llama.cpp checks run
+IDS = [1, 17, 5, 99, 42, 8, 63, 120, 3, 77, 31, 12]
+#: max abs. logit difference allowed between llama.cpp and transformers on the test-bed: its
+#: MXFP4 experts read q8_0-rounded inputs in llama.cpp (``test_gguf_k3.py`` checks that this
+#: rounding alone stays under half of it, and that a wrong cut is far above it)
+LLAMA_CPP_TOL = 2e-2
 
 #: the K3 text-config keys the test-bed sets (on top of ``tiny_models``' Kimi sizes and
 #: ``mxfp4_fixtures``' MXFP4-compatible widths)
@@ -83,6 +89,32 @@ def build_k3_testbed(out: str | os.PathLike, *, seed: int = 0, **overrides):
 def k3_text_config(path: str | os.PathLike) -> dict:
     """The saved ``text_config`` of a checkpoint."""
     return json.loads((Path(path) / "config.json").read_text())["text_config"]
+
+
+def reference_logits(model_dir, ids: list[int], *, q8_0_expert_inputs: bool = False):
+    """transformers' float32 logits ``[tokens, vocab]`` of a saved test-bed (experts
+    dequantized on load); with ``q8_0_expert_inputs`` every routed expert projection reads
+    its input rounded as llama.cpp's CPU MXFP4 kernel rounds it (``gguf_oracle``)."""
+    import torch
+    from gguf_oracle import q8_0_roundtrip
+    from tiny_models import reload_class
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    model = reload_class("kimi_k3").from_pretrained(
+        model_dir, quantization_config=CompressedTensorsConfig(dequantize=True)
+    )
+    model = model.to(torch.float32).eval()
+    hooks = []
+    if q8_0_expert_inputs:
+        for name, module in model.named_modules():
+            if ".experts." in name and name.rsplit(".", 1)[-1] in ("w1", "w2", "w3"):
+                hook = module.register_forward_pre_hook(lambda m, a: (q8_0_roundtrip(a[0]),))
+                hooks.append(hook)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+    for hook in hooks:
+        hook.remove()
+    return logits.numpy()
 
 
 def prune_with_reap(src: str | os.PathLike, dst: str | os.PathLike, *, sparsity: float = 0.5):

@@ -134,3 +134,13 @@ def field_values(path: Path) -> dict[str, object]:
 
     r = gguf.GGUFReader(path)
     return {f.name: f.contents() for f in r.fields.values() if not f.name.startswith("GGUF.")}
+
+
+def q8_0_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (last dim a multiple of 32) as llama.cpp's CPU kernels see it when they multiply
+    it by an MXFP4 weight: quantized to q8_0 (blocks of 32, ``d = amax / 127`` stored as
+    fp16, ``q = round(x / d)``; ``vec_dot_type`` of MXFP4 is Q8_0) and read back."""
+    blocks = x.float().reshape(-1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv) * d.half().float()).reshape(x.shape).to(x.dtype)
