@@ -17,7 +17,7 @@ import pytest
 from gguf_synth import write_moe
 
 #: what only model work needs (torch and what stands on it)
-MODEL_STACK = {"torch", "transformers", "llmcompressor", "safetensors"}
+MODEL_STACK = {"torch", "transformers", "llmcompressor", "compressed_tensors", "safetensors"}
 KEPT = {"model.layers.0.mlp": [0, 3, 5, 6], "model.layers.1.mlp": [1, 2, 4, 7]}
 
 _IMPORT_LINE = re.compile(r"^import time:\s+\d+ \|\s+\d+ \| *(\S+)$", re.M)
