@@ -5,18 +5,16 @@ Importing this package registers :class:`REAPPruningModifier` with llm-compresso
 The registration happens as soon as llm-compressor is importable in the process:
 immediately if it is already imported, otherwise right after it is first imported.
 That keeps ``import reap_modifier`` (and the ``reap`` CLI, which never needs
-llm-compressor for scores, plans or checkpoint surgery) fast.
+llm-compressor for scores, plans or checkpoint surgery) fast. The public names are
+imported on first use (PEP 562), so importing the package imports no torch.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.util
 import sys
-
-from .scores import ExpertScores
-from .scores.keep_count import compute_keep_count
-from .scores.plan import PruningPlan, plan_from_scores
 
 __version__ = "0.1.0"
 
@@ -30,12 +28,24 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name == "REAPPruningModifier":
-        from .modifier import REAPPruningModifier
+#: public name -> the module that defines it, imported on first use
+_LAZY = {
+    "ExpertScores": "scores.scores_file",
+    "PruningPlan": "scores.plan",
+    "REAPPruningModifier": "modifier",
+    "compute_keep_count": "scores.keep_count",
+    "plan_from_scores": "scores.plan",
+}
 
-        return REAPPruningModifier
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 class _RegisterAfterLLMCompressor(importlib.abc.MetaPathFinder):

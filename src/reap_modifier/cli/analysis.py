@@ -13,8 +13,8 @@ from typing import Literal
 import typer
 from rich.table import Table
 
-from ..scores import SALIENCY_NAMES, ExpertScores, ScoresError
-from ..scores.plan import PlanError
+from ..scores import SALIENCY_NAMES, ScoresError
+from ..scores.errors import PlanError
 from .common import console, fail, greedy, key_values
 
 __all__ = ["register"]
@@ -42,6 +42,7 @@ def tiers_cmd(
     the saliency curve has a knee."""
     from ..analysis.reports import write_tiers_report
     from ..analysis.tiers import tiers_report
+    from ..scores import ExpertScores
 
     try:
         if not keep and not sparsity:
@@ -122,6 +123,7 @@ def _load_rankings(files: list[Path], corpus_of, per_source):
     """The rankings ``A, B, ...`` (with their ``--corpus-of`` labels) and the
     ``--per-source`` scores files."""
     from ..analysis.compare import Ranking
+    from ..scores import ExpertScores
 
     if len(files) < 2:
         raise ScoresError("compare needs at least two scores files")

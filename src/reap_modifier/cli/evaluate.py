@@ -22,7 +22,7 @@ from typing import Literal
 
 import typer
 
-from ..evaluation.run import BACKENDS, DTYPES
+from ..evaluation.choices import BACKENDS, DTYPES
 from .common import (
     EXIT_CHECK_FAILED,
     EXIT_INTERRUPTED,

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..scores import BASELINE_METHODS, SALIENCY_NAMES, ExpertScores, ScoresError
-from ..scores.plan import PlanError
+from ..scores import BASELINE_METHODS, SALIENCY_NAMES, ScoresError
+from ..scores.errors import PlanError
 from .common import OUTPUT_ALIASES, command_class, console, fail
+
+if TYPE_CHECKING:  # torch comes with the scores file, imported where a command reads one
+    from ..scores import ExpertScores
 
 __all__ = ["register"]
 
@@ -21,6 +24,8 @@ _ERRORS = (ScoresError, PlanError, OSError)
 
 
 def _load(path: Path) -> ExpertScores:
+    from ..scores import ExpertScores
+
     return ExpertScores.load(path)
 
 

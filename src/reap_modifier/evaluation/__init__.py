@@ -9,21 +9,17 @@ One implementation, used by ``reap eval`` and by the main job (:mod:`reap_modifi
 - :mod:`.vllm`: the vLLM backend (each model served in turn, prompt log-probs, throughput);
 - :mod:`.cache`: the reference cache (one reference run for many candidates);
 - :mod:`.checkpoints`: checkpoints and tokenizers checked before any model loads;
+- :mod:`.choices`: the backends and dtypes an evaluation accepts (no torch);
 - :mod:`.run`: one evaluation, end to end (:func:`prepare`, :func:`evaluate`);
 - :mod:`.report`: ``eval.json`` / ``eval.md`` / ``eval.png`` and the main table;
 - :mod:`.lm_eval`: standard benchmarks through lm-evaluation-harness (optional extra ``eval``).
+
+The names are imported on first use (PEP 562): importing the package imports no torch.
 """
 
-from .hf import ReferenceTopN, evaluate_models, greedy_generate, run_models, zero_routed_experts
-from .metrics import (
-    WindowMetrics,
-    longest_repeat_run,
-    paired_difference,
-    repetition_stats,
-    token_metrics,
-    topn_kl,
-)
-from .run import EvalInputError, Prepared, Settings, evaluate, prepare
+from __future__ import annotations
+
+import importlib
 
 __all__ = [
     "EvalInputError",
@@ -43,3 +39,33 @@ __all__ = [
     "topn_kl",
     "zero_routed_experts",
 ]
+
+#: public name -> the module that defines it, imported on first use
+_LAZY = {
+    "evaluate": "run",
+    "evaluate_models": "hf",
+    "greedy_generate": "hf",
+    "longest_repeat_run": "metrics",
+    "paired_difference": "metrics",
+    "prepare": "run",
+    "repetition_stats": "metrics",
+    "run_models": "hf",
+    "token_metrics": "metrics",
+    "topn_kl": "metrics",
+    "zero_routed_experts": "hf",
+    "EvalInputError": "run",
+    "Prepared": "run",
+    "ReferenceTopN": "hf",
+    "Settings": "run",
+    "WindowMetrics": "metrics",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -25,14 +25,12 @@ import torch
 
 from .cache import load_cache, reference_identity, save_cache
 from .checkpoints import check_checkpoints, load_tokenizer
+from .choices import BACKENDS, DTYPES
 from .hf import ReferenceTopN, greedy_generate, run_models
 from .metrics import WindowMetrics, paired_difference, repetition_stats, topn_kl
 from .texts import TextError, ids_sha256, load_records, pick_prompts, sample_windows
 
 __all__ = ["EvalInputError", "Prepared", "Settings", "device_map", "evaluate", "prepare"]
-
-BACKENDS = ("transformers", "vllm")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class EvalInputError(ValueError):

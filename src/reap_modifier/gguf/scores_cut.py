@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..scores import ExpertScores
 from ..scores.belongs import ModelFacts
 from ..scores.plan import PruningPlan, cut_scores
 from .binding import moe_layers, plan_layer_number
@@ -28,6 +27,8 @@ def plan_from_scores(
 ) -> PruningPlan:
     """Cut a plan from ``scores_path`` with the keep-count rule, checked against ``layout``
     (:func:`reap_modifier.scores.plan.cut_scores`)."""
+    from ..scores import ExpertScores  # torch: only a cut from scores needs it
+
     layers = tuple(f"blk.{L}" for L in moe_layers(layout))
     if not layers or layout.num_experts is None:
         raise GGUFError(f"{layout.path}: no MoE layer in the file")

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+# register the adapters adapter_for tries; the first match wins, so input-side gating (whose
+# experts are also fused 3-D tensors) before the `experts(hidden, ids, weights)` shape
+from . import input_gated, experts_call, kimi  # noqa: F401  # isort: skip
 from .base import adapter_for
 from .config_keys import (
     COUNT_KEYS,

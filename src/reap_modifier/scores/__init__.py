@@ -1,24 +1,13 @@
 """Deciding what to keep: the scores file (per-expert statistics), calibration-free
 baselines, the keep-count rule, the pruning plan, and how far two score sets differ.
 
-``from reap_modifier.scores import ExpertScores`` is the scores file's public name.
+``from reap_modifier.scores import ExpertScores`` is the scores file's public name. The
+names are imported on first use (PEP 562): the format's names and errors need no torch.
 """
 
-from .difference import scores_difference
-from .scores_file import (
-    BASELINE_METHODS,
-    KIND_CALIBRATION,
-    KIND_WEIGHTS,
-    SALIENCY_FROM_STATS,
-    SALIENCY_NAMES,
-    SCORES_FORMAT,
-    SCORES_VERSION,
-    SOURCE_PREFIX,
-    STAT_NAMES,
-    ExpertScores,
-    ScoresError,
-    saliency_from_stats,
-)
+from __future__ import annotations
+
+import importlib
 
 __all__ = [
     "BASELINE_METHODS",
@@ -35,3 +24,35 @@ __all__ = [
     "saliency_from_stats",
     "scores_difference",
 ]
+
+#: public name -> the module that defines it, imported on first use
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "BASELINE_METHODS",
+            "KIND_CALIBRATION",
+            "KIND_WEIGHTS",
+            "SALIENCY_FROM_STATS",
+            "SALIENCY_NAMES",
+            "SCORES_FORMAT",
+            "SCORES_VERSION",
+            "SOURCE_PREFIX",
+            "STAT_NAMES",
+        ),
+        "names",
+    ),
+    "ExpertScores": "scores_file",
+    "ScoresError": "errors",
+    "saliency_from_stats": "scores_file",
+    "scores_difference": "difference",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

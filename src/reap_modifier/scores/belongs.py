@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from .errors import ScoresError
 
-from .scores_file import ScoresError
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ModelFacts",

@@ -1,9 +1,14 @@
-"""The error of a keep count or a plan, beside the plan (:mod:`.plan`) and the keep-count
-rule (:mod:`.keep_count`), which both raise it and re-export it."""
+"""The errors of this package: a malformed scores file (:class:`ScoresError`, re-exported
+by :mod:`.scores_file`) and an invalid keep count or plan (:class:`PlanError`, re-exported by
+:mod:`.plan` and :mod:`.keep_count`). No torch: the CLI catches them before any work."""
 
 from __future__ import annotations
 
-__all__ = ["PlanError"]
+__all__ = ["PlanError", "ScoresError"]
+
+
+class ScoresError(ValueError):
+    """A scores file is malformed or incompatible with the requested operation."""
 
 
 class PlanError(ValueError):

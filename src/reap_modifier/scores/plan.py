@@ -13,16 +13,18 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from loguru import logger
 
 from ..fileio import write_json_atomic
 from ..models.config_keys import group_limit
 from .belongs import ModelFacts, check_scores_belong, routed_counts
-from .errors import PlanError
+from .errors import PlanError, ScoresError
 from .keep_count import KeepCount, compute_keep_count, group_args
-from .scores_file import ScoresError
+
+if TYPE_CHECKING:  # torch is imported where a cut needs it: loading a plan needs none
+    import torch
 
 __all__ = [
     "PLAN_FORMAT",
@@ -46,6 +48,8 @@ def select_experts(saliency: torch.Tensor, keep: int, n_group: int | None = None
 
     Deterministic: ties are broken toward the lower original index.
     """
+    import torch
+
     scores = saliency.detach().to("cpu", torch.float64)
     num_experts = scores.numel()
     groups = n_group if n_group and n_group > 1 else 1
@@ -62,6 +66,8 @@ def select_experts(saliency: torch.Tensor, keep: int, n_group: int | None = None
 
 def retained_mass(saliency: torch.Tensor, kept: list[int]) -> float:
     """Fraction of the layer's total saliency held by ``kept`` (1.0 for an all-zero layer)."""
+    import torch
+
     scores = saliency.detach().to("cpu", torch.float64)
     total = float(scores.sum())
     if total == 0.0:
@@ -145,6 +151,8 @@ class PruningPlan:
         counts: dict[str, torch.Tensor] | None = None,
     ) -> PruningPlan:
         """Cut every layer of ``saliency`` at ``keep`` (counts mark never-routed experts)."""
+        import torch
+
         kept, retained, ties, never = {}, {}, {}, {}
         for layer, scores in saliency.items():
             ids = select_experts(scores, keep.keep, n_group)

@@ -6,6 +6,8 @@ tier later, on CPU, without recalibrating.
 
 On disk a scores file is a safetensors file with one float64 ``[num_experts]``
 tensor per ``"{layer}::{stat}"`` and JSON metadata under the ``reap_scores`` key.
+The format's names (:mod:`.names`) and :class:`ScoresError` (:mod:`.errors`) are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -21,9 +23,23 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..fileio import atomic_path
+from .errors import ScoresError
+from .names import (
+    BASELINE_METHODS,
+    KIND_CALIBRATION,
+    KIND_WEIGHTS,
+    SALIENCY_FROM_STATS,
+    SALIENCY_NAMES,
+    SCORES_FORMAT,
+    SCORES_VERSION,
+    SOURCE_PREFIX,
+    STAT_NAMES,
+)
 
 __all__ = [
     "BASELINE_METHODS",
+    "KIND_CALIBRATION",
+    "KIND_WEIGHTS",
     "SALIENCY_NAMES",
     "SCORES_FORMAT",
     "SCORES_VERSION",
@@ -35,45 +51,8 @@ __all__ = [
     "saliency_from_stats",
 ]
 
-SCORES_FORMAT = "reap-scores"
-SCORES_VERSION = 1
-
-#: statistics accumulated per expert (all float64, shape ``[num_experts]``)
-#: - count: routed (token, expert) pairs; sum_weight: sum of gate weights g;
-#: - sum_norm: sum of ||f||; sum_reap: sum of g * ||f||; max_norm: max of ||f||
-STAT_NAMES = ("count", "sum_weight", "sum_norm", "sum_reap", "max_norm")
-#: prefix of per-source routed counts (``count@en``); they add on merge
-SOURCE_PREFIX = "count@"
-
-#: saliency criteria derivable from the statistics alone
-SALIENCY_FROM_STATS = (
-    "reap",
-    "frequency",
-    "weighted_frequency",
-    "ean",
-    "ean_mean",
-    "max_norm",
-)
-
-#: calibration-free criteria computed from router weights alone (see ``baselines``);
-#: a *weights* scores file (``metadata["kind"] == "weights"``) holds one of them as
-#: its single per-layer statistic, named after the method
-BASELINE_METHODS = ("router_l1", "router_signed_sum", "random")
-
-#: every saliency name accepted by ``reap cut`` / the modifier
-SALIENCY_NAMES = SALIENCY_FROM_STATS + BASELINE_METHODS
-
-#: ``metadata["kind"]`` of calibration files (the default) and of baseline files
-KIND_CALIBRATION = "calibration"
-KIND_WEIGHTS = "weights"
-
-
 #: statistics that can never be negative (counts, norms); checked on validation
 _NON_NEGATIVE = ("count", "sum_norm", "max_norm", "router_l1", "random")
-
-
-class ScoresError(ValueError):
-    """A scores file is malformed or incompatible with the requested operation."""
 
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
