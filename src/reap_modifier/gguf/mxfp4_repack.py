@@ -2,7 +2,7 @@
 of the families it stacks experts for (Qwen3-MoE, DeepSeek-V3).
 
 Why: the converter (``convert_hf_to_gguf.py``) repacks ``mxfp4-pack-quantized`` experts into
-GGML's ``block_mxfp4`` only in its Kimi K3 and MiMo classes; every other family fails in
+GGML's ``block_mxfp4`` only in its Kimi K3 class; every other family fails in
 ``ModelBase.dequant_model`` (``Quant format 'mxfp4-pack-quantized' ... not yet supported``).
 The repack is the converter's own (``ModelBase._mxfp4_expert_tensor`` ->
 ``repack_mxfp4_blocks``: a byte permutation, nothing re-quantized); only the grouping of the
@@ -94,13 +94,22 @@ def with_mxfp4_experts(model_class: type, architecture: str) -> type:
                         "in quantization_config.ignore?); a GGUF expert tensor holds one type"
                     )
             for (stem, proj), experts in sorted(groups.items()):
-                stacked, _ = self.filter_tensors((f"{stem}.{proj}.weight", lambda: None))
-                bid = next(int(p) for p in stacked.split(".") if p.isdecimal())
+                names = [experts[e] for e in range(n)]
+                scales = [p.removesuffix("_packed") + "_scale" for p in names]
+                kept = self.filter_tensors((f"{stem}.{proj}.weight", lambda: None))
+                bid = next(int(p) for p in stem.split(".") if p.isdecimal())
+                if kept is None or (
+                    getattr(self, "skip_mtp", False) and bid >= self.hparams["num_hidden_layers"]
+                ):
+                    # tensors the family's float path drops (DeepSeek's MTP layers): drop them too
+                    logger.info(f"{stem}.*.{proj}: skipped, as the converter skips this layer")
+                    for name in names + scales:
+                        self.model_tensors.pop(name, None)
+                    continue
+                stacked = kept[0]
                 new_name = self.map_tensor_name(stacked)
                 if not any(self.match_model_tensor_name(new_name, key, bid) for key in exps):
                     raise SystemExit(f"{stacked} maps to {new_name}, not a routed-expert tensor")
-                names = [experts[e] for e in range(n)]
-                scales = [p.removesuffix("_packed") + "_scale" for p in names]
                 if missing := [s for s in scales if s not in self.model_tensors]:
                     raise SystemExit(f"missing {missing[0]} (a packed weight without its scales)")
                 loaders = [
