@@ -36,6 +36,7 @@ FIXED = {
         "--dtype": ["auto", "float32", "bfloat16", "float16"],
     },
     ("scores", "from-weights"): {"--method": ["router_l1", "router_signed_sum", "random"]},
+    ("export-gguf",): {"--outtype": ["auto", "f32", "f16", "bf16", "q8_0"]},
     **{
         cmd: {"--saliency": [*SALIENCY, "router_l1", "router_signed_sum", "random"]}
         for cmd in [("cut",), ("tiers",), ("compare",)]
@@ -55,7 +56,7 @@ def _help(args: list[str]) -> str:
 
 def test_the_walk_finds_every_command():
     assert set(COMMANDS) == {
-        ("compare",), ("cut",), ("eval",), ("prune",), ("tiers",), ("verify",),
+        ("compare",), ("cut",), ("eval",), ("export-gguf",), ("prune",), ("tiers",), ("verify",),
         ("scores", "from-weights"), ("scores", "merge"), ("scores", "show"),
     }  # fmt: skip
 

@@ -25,6 +25,7 @@ COMMANDS = [
     ("compare",),
     ("prune",),
     ("verify",),
+    ("export-gguf",),
 ]
 
 

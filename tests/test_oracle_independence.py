@@ -31,6 +31,7 @@ ORACLE_MODULES = {
     "memory_probe": "which tensors are alive at once (the memory tests' measure)",
     "gguf_oracle": "safetensors pruned by hand and converted by llama.cpp's converter",
     "llama_cpp_probe": "a GGUF's logits in llama.cpp (run by the Python that has llama-cpp-python)",
+    "mxfp4_gguf_oracle": "MXFP4 codes and values by the compressed-tensors and GGML specs",
 }
 #: reference functions in modules that also build inputs with the product
 ORACLE_FUNCTIONS = {
@@ -52,6 +53,7 @@ INPUT_BUILDERS = {
     "badinput": "corrupts checkpoints and scores files, runs the CLI",
     "paths": "puts tests/helpers and tests/oracles on sys.path",
     "conftest": "fixtures: tokenizer, datasets, saved tiny models",
+    "converter_hooks": "patches llama.cpp's converter in its process: tokenizer name, a broken repack",
     "dist_worker": "runs the modifier under torchrun",
     "eval_models": "tiny checkpoints for reap eval, pruned by the rewriter",
     "family_flow": "runs the product's flow; its expected logits come from generic_oracle",

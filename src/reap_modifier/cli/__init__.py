@@ -3,6 +3,7 @@
 - ``reap scores merge|show|from-weights``, ``reap cut``: :mod:`.scores`
 - ``reap tiers``, ``reap compare``: :mod:`.analysis`
 - ``reap prune``, ``reap verify``: :mod:`.checkpoint`
+- ``reap export-gguf``: :mod:`.gguf`
 - ``reap eval``: :mod:`.evaluate`
 
 Exit codes (every command): 0 ok; 1 a check failed (``reap verify`` found a problem,
@@ -50,7 +51,7 @@ def _main(
     third_party_logs_to_stderr()
 
 
-for _module in ("scores", "analysis", "checkpoint", "evaluate"):
+for _module in ("scores", "analysis", "checkpoint", "gguf", "evaluate"):
     import_module(f"{__name__}.{_module}").register(app)
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,16 +1,23 @@
 """``reap prune`` and ``reap verify`` on a GGUF model (a ``.gguf`` file, or the parts of a
 split): the same plan, scores and keep-count options as for a checkpoint, checked before
-anything is written; bad input exits 2 with one line saying what to change."""
+anything is written; bad input exits 2 with one line saying what to change. ``reap
+export-gguf``: a checkpoint (MXFP4 compressed-tensors experts included) to a GGUF file."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import typer
 
-from .common import EXIT_CHECK_FAILED, check_failed, fail
+from .common import EXIT_CHECK_FAILED, OUTPUT_ALIASES, check_failed, command_class, fail
 
-__all__ = ["prune_gguf", "verify_gguf_cli", "verify_with_llama_cpp"]
+__all__ = ["prune_gguf", "register", "verify_gguf_cli", "verify_with_llama_cpp"]
+
+EXPORT_EXAMPLE = (
+    "Example: reap export-gguf /models/Qwen3-30B-A3B-MXFP4-96 -o qwen3-96-MXFP4.gguf "
+    "--converter build/llama-cpp/converter --outtype bf16"
+)
 
 
 def prune_gguf(
@@ -113,3 +120,42 @@ def verify_with_llama_cpp(dst: Path, reference: Path, python: Path | None) -> No
     if not report.ok:
         check_failed(report.failures, f"{dst}: llama.cpp check FAILED ({line})")
     typer.echo(f"{dst}: llama.cpp check OK ({line}, vs {reference} in transformers)")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``export-gguf`` to ``app``."""
+
+    @app.command("export-gguf", epilog=EXPORT_EXAMPLE, cls=command_class(aliases=OUTPUT_ALIASES))
+    def export_gguf_cli(
+        model: Path = typer.Argument(..., help="checkpoint directory (safetensors)"),
+        out: Path = typer.Option(
+            ..., "--out", "-o", help="the .gguf file; written next to it, then renamed"
+        ),
+        converter: Path | None = typer.Option(
+            None,
+            "--converter",
+            envvar="REAP_GGUF_CONVERTER",
+            help="folder of llama.cpp's convert_hf_to_gguf.py (scripts/llama_cpp_converter.sh extracts it)",
+        ),
+        outtype: Literal["auto", "f32", "f16", "bf16", "q8_0"] = typer.Option(
+            "auto",
+            "--outtype",
+            help="the tensors that are not MXFP4 experts (auto: the checkpoint's 16-bit type)",
+        ),
+        model_name: str | None = typer.Option(
+            None, "--model-name", help="general.name of the file (default: the folder's name)"
+        ),
+        force: bool = typer.Option(False, "--force", help="replace an existing output"),
+    ):
+        """Convert a checkpoint to GGUF with llama.cpp's converter; MXFP4 compressed-tensors
+        routed experts (Qwen3-MoE, DeepSeek-V3) are repacked bit for bit, not dequantized."""
+        from ..gguf.errors import GGUFError
+        from ..gguf.export import export_gguf
+
+        try:
+            path = export_gguf(
+                model, out, converter=converter, outtype=outtype, model_name=model_name, force=force
+            )
+        except GGUFError as exc:
+            fail(exc)
+        typer.echo(str(path))

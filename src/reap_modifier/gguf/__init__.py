@@ -9,7 +9,9 @@ expert's slab copied verbatim, byte-identical to converting the pruned safetenso
 - :mod:`.imatrix`: an importance matrix sliced like its model;
 - :mod:`.routers`: router rows of a GGUF for the calibration-free baselines;
 - :mod:`.rewrite`: ``prepare_gguf_rewrite`` checks once, ``GGUFRewriteJob.run`` writes;
-- :mod:`.verify`: a pruned file against its source, slab by slab.
+- :mod:`.verify`: a pruned file against its source, slab by slab;
+- :mod:`.export`: HF -> GGUF with llama.cpp's converter, run with :mod:`.mxfp4_repack` (MXFP4
+  compressed-tensors experts repacked bit for bit).
 """
 
 from __future__ import annotations
