@@ -96,6 +96,12 @@ def test_a_fit_that_does_not_help_is_dropped_and_reported(tmp_path, tokenizer, m
         was = source.get_submodule(f"{layer}.gate").weight[kept]
         assert torch.equal(now, was), layer
     assert json.loads(manifest.read_text())["router_fit"]["components"][0]["kept"] is False
+    # each stage's wall time, disjoint parts of the whole step's
+    seconds = json.loads(manifest.read_text())["router_fit"]["seconds"]
+    assert seconds == record["seconds"]
+    stages = {"gather", "reference", "cut_check", "router", "router_check"}
+    assert set(seconds) == stages | {"total"}
+    assert 0 < sum(seconds[s] for s in stages) <= seconds["total"] + 1e-3
 
 
 def test_compensation_kept_experts_bit_exact_and_reload_equal(tmp_path, tokenizer):
