@@ -89,9 +89,12 @@ class PostCutStep:
         #: each stage's per-layer results on disk (``checkpoint_dir``; else a no-op)
         self.log = StageLog(None)
         #: this rank's wall time of each stage, in seconds (the record's ``seconds``):
-        #: ``total`` from :meth:`choose` to the end of :meth:`fit`, the cut included
+        #: ``total`` from :meth:`choose` to the end of :meth:`fit`, the cut included; under
+        #: data parallel ``<stage>_wait``, the part spent exchanging results with the other
+        #: ranks (waiting for the slowest)
         self.seconds: dict[str, float] = {}
         self._start: float | None = None
+        self._stage = ""
 
     def locate_samples(self, located: dict, group, loader=None) -> None:
         """Where this rank's samples stand in one process's order
@@ -203,11 +206,22 @@ class PostCutStep:
     @contextmanager
     def _timed(self, stage: str):
         """Add the block's wall time to :attr:`seconds` ``[stage]``."""
-        start = time.perf_counter()
+        start, self._stage = time.perf_counter(), stage
         try:
             yield
         finally:
             self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+    @contextmanager
+    def _exchanging(self):
+        """Add the block's wall time to the current stage's ``_wait`` (data parallel)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.group is not None:
+                key = f"{self._stage}_wait"
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
 
     def _owned(self) -> list[MoELayer]:
         me = ranks.rank(self.group)
@@ -220,9 +234,10 @@ class PostCutStep:
             mine, failed = work(self._owned()), None
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             mine, failed = {}, f"{type(exc).__name__}: {exc}"
-        merged = ranks.exchange(
-            {**mine, "__failed__" + str(ranks.rank(self.group)): failed}, self.group, what
-        )
+        with self._exchanging():
+            merged = ranks.exchange(
+                {**mine, "__failed__" + str(ranks.rank(self.group)): failed}, self.group, what
+            )
         errors = [
             f"rank {k[10:]}: {v}" for k, v in merged.items() if k.startswith("__failed__") and v
         ]
@@ -275,7 +290,10 @@ class PostCutStep:
     def _kl(self, model) -> HeldOutKL:
         """The model's held-out KL on every held-out sample (each rank's joined)."""
         local = self._validation.kl(model)
-        return ranks.joined_kl(local, self._mine, len(self._held), self._held_groups(), self.group)
+        with self._exchanging():
+            return ranks.joined_kl(
+                local, self._mine, len(self._held), self._held_groups(), self.group
+            )
 
     # -- stages 5-6: components and record (on the cut model) ------------------------
 
