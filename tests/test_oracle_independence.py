@@ -57,6 +57,7 @@ INPUT_BUILDERS = {
     "family_zoo": "tiny models of every family from transformers' configs",
     "gguf_synth": "synthetic GGUF models and importance matrices (the gguf package's writer)",
     "k3_mxfp4_synth": "synthetic K3-shaped MXFP4 checkpoints",
+    "launch": "runs a script alone or as torchrun ranks",
     "scores_synth": "synthetic scores files (the product's container, filled by index_add)",
     "tiny_models": "tiny deterministic models",
 }
