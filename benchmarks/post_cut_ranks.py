@@ -11,7 +11,10 @@ it), each process on one torch thread (``OMP_NUM_THREADS=1``). The recipe: REAP'
 the experts, ``selection: block_error``, ``calibrate_router``, ``calibrate_bias``,
 ``compensate``, ``validate_fit``. Only the post-cut step is timed: its record's ``seconds``
 (each stage's wall time on a rank; a 2-rank stage is the slower rank's; each rank's wait in
-it, the time it spent exchanging results, mostly waiting for the other, shows imbalance).
+it, the time it spent exchanging results, mostly waiting for the other, shows imbalance),
+beside each stage's CPU time (each rank's; the ratio takes the busier rank's): the CPU ratio is what the wall
+ratio would be with a core per rank and nothing else running, so on a loaded machine it is the
+one to read (it leaves out contention for memory bandwidth).
 Prints the table, then asserts that on both ranks every component's fitted tensors (kept or
 not), every tensor of the final model, the kept experts and each component's decision and
 held-out KL equal the single process's (``torch.equal``, ``==``).
@@ -36,6 +39,7 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -81,6 +85,43 @@ def build(args, folder: Path) -> Path:
     return folder
 
 
+def cpu_clock() -> dict[str, float]:
+    """This process's CPU time per stage of the post-cut step, filled as it runs (the step's
+    own stage clock wrapped; ``total``: the whole step, as the record's)."""
+    from reap_modifier import modifier
+    from reap_modifier.post_cut.step import PostCutStep
+
+    cpu: dict[str, float] = {}
+
+    def add(stage: str, start: float) -> None:
+        cpu[stage] = cpu.get(stage, 0.0) + time.process_time() - start
+
+    timed = PostCutStep._timed
+
+    @contextmanager
+    def both(self, stage: str):
+        start = time.process_time()
+        try:
+            with timed(self, stage):
+                yield
+        finally:
+            add(stage, start)
+
+    run_post_cut = modifier.REAPPruningModifier._run_post_cut
+
+    def whole(self, model):
+        start = time.process_time()
+        try:
+            return run_post_cut(self, model)
+        finally:
+            if self._router_fit is not None and "total" not in cpu:
+                add("total", start)
+
+    PostCutStep._timed = both
+    modifier.REAPPruningModifier._run_post_cut = whole
+    return cpu
+
+
 def child(args) -> None:
     """One run of the recipe (alone, or as one torchrun rank); writes ``rank{r}.json`` and
     ``fitted_rank{r}.pt`` to ``--out``."""
@@ -93,6 +134,7 @@ def child(args) -> None:
     from reap_modifier.post_cut import ranks
 
     torch.set_num_threads(1)
+    cpu = cpu_clock()
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -136,6 +178,7 @@ def child(args) -> None:
     result = {
         "oneshot_s": time.perf_counter() - start,
         "seconds": record["seconds"],
+        "cpu": cpu,
         "kept": modifier.plan.kept,
         "selection": record["selection"]["end_to_end"].get("applied"),
         "components": [
@@ -194,17 +237,19 @@ def assert_equal(single: dict, multi: list[dict]) -> int:
     return count
 
 
-def table(single: dict, multi: list[dict]) -> list[tuple[str, float, float, list]]:
-    """``(stage, 1-rank s, 2-rank s, each rank's wait s)`` for every stage either run
-    recorded (a 2-rank stage: the slower rank's time; a wait: the part of it a rank spent
-    exchanging results, waiting for the other, ``None`` where the stage exchanges nothing)."""
+def table(single: dict, multi: list[dict]) -> list[tuple]:
+    """``(stage, 1-rank s, 2-rank s, each rank's wait s, 1-rank CPU s, each rank's CPU s)``
+    for every stage either run recorded (a 2-rank stage: the slower rank's wall time; a wait: the part of a rank's wall time spent exchanging results, waiting
+    for the other, ``None`` where the stage exchanges nothing)."""
     rows = []
     for key, label in STAGES.items():
         if key in single["seconds"] or any(key in m["seconds"] for m in multi):
             one = single["seconds"].get(key, 0.0)
             two = max(m["seconds"].get(key, 0.0) for m in multi)
             waits = [m["seconds"].get(f"{key}_wait") for m in multi]
-            rows.append((label, one, two, waits))
+            cpu_one = single["cpu"].get(key, 0.0)
+            cpu_two = [m["cpu"].get(key, 0.0) for m in multi]
+            rows.append((label, one, two, waits, cpu_one, cpu_two))
     return rows
 
 
@@ -246,13 +291,19 @@ def main() -> None:
         + ", ".join(f"{c['name']}={c['kept']}" for c in single["components"])
     )
     print(
-        "\n| stage | 1-rank s | 2-rank s | ratio | 2-rank waits s (rank 0 / 1) |"
-        "\n|---|---:|---:|---:|---:|"
+        "\n| stage | 1-rank s | 2-rank s | ratio | 2-rank waits s (rank 0 / 1) "
+        "| 1-rank CPU s | 2-rank CPU s (rank 0 / 1) | CPU ratio |"
+        "\n|---|---:|---:|---:|---:|---:|---:|---:|"
     )
-    for label, one, two, waits in rows:
+    for label, one, two, waits, cpu_one, cpu_two in rows:
         ratio = f"{two / one:.2f}" if one > 0 else "-"
+        cpu_ratio = f"{max(cpu_two) / cpu_one:.2f}" if cpu_one > 0 else "-"
         wait = " / ".join("-" if w is None else f"{w:.2f}" for w in waits)
-        print(f"| {label} | {one:.2f} | {two:.2f} | {ratio} | {wait} |")
+        cpu = " / ".join(f"{c:.2f}" for c in cpu_two)
+        print(
+            f"| {label} | {one:.2f} | {two:.2f} | {ratio} | {wait} | {cpu_one:.2f} "
+            f"| {cpu} | {cpu_ratio} |"
+        )
     print(
         f"\noneshot per process (calibration, cut and post-cut): 1 rank "
         f"{single['oneshot_s']:.1f} s, 2 ranks {max(m['oneshot_s'] for m in multi):.1f} s"
