@@ -12,21 +12,22 @@ the experts, ``selection: block_error``, ``calibrate_router``, ``calibrate_bias`
 ``compensate``, ``validate_fit``. Only the post-cut step is timed: its record's ``seconds``
 (each stage's wall time on a rank; a 2-rank stage is the slower rank's; each rank's wait in
 it, the time it spent exchanging results, mostly waiting for the other, shows imbalance),
-beside each stage's CPU time (each rank's; the ratio takes the busier rank's): the CPU ratio is what the wall
-ratio would be with a core per rank and nothing else running, so on a loaded machine it is the
-one to read (it leaves out contention for memory bandwidth).
-Prints the table, then asserts that on both ranks every component's fitted tensors (kept or
-not), every tensor of the final model, the kept experts and each component's decision and
-held-out KL equal the single process's (``torch.equal``, ``==``).
+beside each stage's CPU time (each rank's; its ratio takes the busier rank's), which leaves out
+the time a process waited for a core: on a loaded machine that is the ratio to read (cache and
+memory contention still inflate it). Prints the table, then asserts that on both ranks every
+component's fitted tensors (kept or not), every tensor of the final model, the kept experts
+and each component's decision and held-out KL equal the single process's (``torch.equal``,
+``==``).
 
 Bit for bit needs MKL's conditional numerical reproducibility pinned (``MKL_CBWR=AVX2``, which
-the launcher sets for both runs unless it is set): otherwise its float32 matrix products round by the
-operands' memory alignment, so the calibration forward of the same sample differs in the last
-bit between processes (measured here: the rows of the second MoE layer on), and the post-cut
-step's inputs with it. Given equal rows, the step itself is equal on any number of ranks.
+the launcher sets for both runs unless it is set): otherwise MKL rounds a float32 matrix
+product by its operands' memory alignment, so the calibration forward of the same sample
+differs in the last bit between processes (seen here: the rows of the second MoE layer on),
+and the post-cut step's inputs with it. Given equal rows, the step is equal on any number of
+ranks.
 
-    PYTHONPATH=src python benchmarks/post_cut_ranks.py             # ~5-10 min, 2 idle cores
-    PYTHONPATH=src python benchmarks/post_cut_ranks.py --quick     # < 1 min: it runs, it matches
+    PYTHONPATH=src python benchmarks/post_cut_ranks.py          # the default size: the measurement
+    PYTHONPATH=src python benchmarks/post_cut_ranks.py --quick  # a smoke run: it runs, it matches
 
 The ratio means something only on 2 otherwise idle cores.
 """
