@@ -240,8 +240,9 @@ def assert_equal(single: dict, multi: list[dict]) -> int:
 
 def table(single: dict, multi: list[dict]) -> list[tuple]:
     """``(stage, 1-rank s, 2-rank s, each rank's wait s, 1-rank CPU s, each rank's CPU s)``
-    for every stage either run recorded (a 2-rank stage: the slower rank's wall time; a wait: the part of a rank's wall time spent exchanging results, waiting
-    for the other, ``None`` where the stage exchanges nothing)."""
+    for every stage either run recorded (a 2-rank stage: the slower rank's wall time; a wait:
+    the part of a rank's wall time spent exchanging results, waiting for the other, ``None``
+    where the stage exchanges nothing)."""
     rows = []
     for key, label in STAGES.items():
         if key in single["seconds"] or any(key in m["seconds"] for m in multi):
