@@ -61,6 +61,7 @@ INPUT_BUILDERS = {
     "gguf_synth": "synthetic GGUF models and importance matrices (the gguf package's writer)",
     "k3_mxfp4_synth": "synthetic K3-shaped MXFP4 checkpoints",
     "k3_testbed": "the K3-shaped MXFP4 test-bed for llama.cpp, pruned by the modifier",
+    "launch": "runs a script alone or as torchrun ranks",
     "scores_synth": "synthetic scores files (the product's container, filled by index_add)",
     "tiny_models": "tiny deterministic models",
 }

@@ -96,6 +96,12 @@ def test_a_fit_that_does_not_help_is_dropped_and_reported(tmp_path, tokenizer, m
         was = source.get_submodule(f"{layer}.gate").weight[kept]
         assert torch.equal(now, was), layer
     assert json.loads(manifest.read_text())["router_fit"]["components"][0]["kept"] is False
+    # each stage's wall time, disjoint parts of the whole step's
+    seconds = json.loads(manifest.read_text())["router_fit"]["seconds"]
+    assert seconds == record["seconds"]
+    stages = {"gather", "reference", "cut_check", "router", "router_check"}
+    assert set(seconds) == stages | {"total"}
+    assert 0 < sum(seconds[s] for s in stages) <= seconds["total"] + 1e-3
 
 
 def test_compensation_kept_experts_bit_exact_and_reload_equal(tmp_path, tokenizer):
@@ -513,3 +519,45 @@ def test_fits_are_judged_as_saved_rounded_to_the_checkpoint_dtype(tmp_path, toke
         assert saved[f"{layer}.gate.weight"].dtype == torch.bfloat16
         assert torch.equal(now, now.to(torch.bfloat16).float()), layer
         assert torch.equal(saved[f"{layer}.gate.weight"].float(), now), layer
+
+
+def test_rows_are_stored_as_the_block_computes_them(tmp_path, tokenizer, monkeypatch):
+    """A bf16 checkpoint computed in float32: the rows the fits get are the blocks' own
+    float32 inputs and outputs (the oracle: plain forward hooks on the unpruned model, one
+    calibration sample at a time; unvalidated, so none is held out), not rounded to
+    bf16: they are float32 products, which bf16 does not represent (rounding them moves
+    every fit's input by up to 2^-8 relative, far beyond this test's tolerance)."""
+    from tiny_models import build_tiny, capture_block_io
+
+    from reap_modifier.models import find_moe_architecture
+    from reap_modifier.post_cut.rows import RowStore
+
+    built, _ = build_tiny("kimi_k3", seed=3, dtype=torch.bfloat16)
+    built.save_pretrained(tmp_path / "src")
+    source = reload_class("kimi_k3").from_pretrained(tmp_path / "src", dtype=torch.float32)
+    model = reload_class("kimi_k3").from_pretrained(tmp_path / "src", dtype=torch.float32)
+    stored: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    put = RowStore.put
+
+    def spy(self, name, x, y):
+        stored[name] = (x.clone(), y.clone())
+        put(self, name, x, y)
+
+    monkeypatch.setattr(RowStore, "put", spy)
+    modifier = REAPPruningModifier(
+        sparsity=0.5, calibrate_router=True, router_fit_steps=1, validate_fit=False
+    )
+    _oneshot(model, modifier, tokenizer)
+    arch = find_moe_architecture(source.eval())
+    with torch.no_grad():
+        per_sample = [capture_block_io(source, arch, s.unsqueeze(0)) for s in SAMPLES]
+    assert sorted(stored) == sorted(arch.layer_names)
+    for name, (x, y) in stored.items():
+        want_x = torch.cat([io[name][0] for io in per_sample])
+        want_y = torch.cat([io[name][1] for io in per_sample])
+        assert x.dtype == y.dtype == torch.float32 and x.shape == want_x.shape
+        # float32 products: (almost) no element is a bf16 value
+        share = float((x.to(torch.bfloat16).float() == x).double().mean())
+        assert share < 0.01, f"{name}: {share:.0%} of the inputs are bf16 values"
+        torch.testing.assert_close(x, want_x, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-6)

@@ -6,7 +6,9 @@ fails.
 
 Memory: without a spill folder, ``2 x router_fit_tokens x hidden x dtype bytes`` per owned
 layer (Kimi K3, 4,096 tokens in bf16: 112 MiB a layer); with one, a layer's rows at a time,
-and the same on disk.
+and the same on disk. The rows are exactly what the block computed, in the model's compute
+dtype: a float32 computation of a bf16 checkpoint computes float32 values that bf16 does not
+hold, and the fits run the block on them (narrower rows would change every fit).
 """
 
 from __future__ import annotations

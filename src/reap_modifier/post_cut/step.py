@@ -22,7 +22,8 @@ applies the plan it returns, then calls :meth:`~PostCutStep.fit`):
    says so;
 6. **record**: what the manifest (``router_fit``), ``reap verify --source`` and the log
    show: each component, the KL before and after, whether it was kept and the tensors it
-   changed.
+   changed, and this rank's wall time of each stage (``seconds``, the one entry that
+   differs between ranks).
 
 Routed expert tensors are never touched. Every k-th calibration batch (k =
 :data:`~.settings.HOLDOUT_EVERY_BATCH`, or the number of batches when there are fewer) is
@@ -31,7 +32,9 @@ held out from every fit.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -85,6 +88,13 @@ class PostCutStep:
         self._group_record: dict | None = None
         #: each stage's per-layer results on disk (``checkpoint_dir``; else a no-op)
         self.log = StageLog(None)
+        #: this rank's wall time of each stage, in seconds (the record's ``seconds``):
+        #: ``total`` from :meth:`choose` to the end of :meth:`fit`, the cut included; under
+        #: data parallel ``<stage>_wait``, the part spent exchanging results with the other
+        #: ranks (waiting for the slowest)
+        self.seconds: dict[str, float] = {}
+        self._start: float | None = None
+        self._stage = ""
 
     def locate_samples(self, located: dict, group, loader=None) -> None:
         """Where this rank's samples stand in one process's order
@@ -152,29 +162,33 @@ class PostCutStep:
         :param overlay: makes a packed model computable for the duration of a stage
             (returns an attached object with ``detach``, or ``None``)
         """
-        gathered = gather(
-            self.capture, self.arch, self.settings, self.group, self.groups is not None
-        )
+        self._start = time.perf_counter()
+        with self._timed("gather"):
+            gathered = gather(
+                self.capture, self.arch, self.settings, self.group, self.groups is not None
+            )
         self._rows, self._held, self._mine = gathered.rows, gathered.held, gathered.mine
         self._groups, self._group_record = gathered.groups, gathered.group_record
         s = self.settings
         with _attached(overlay()):
-            self._validation = self._reference(model)
+            with self._timed("reference"):
+                self._validation = self._reference(model)
             if s.selection == "block_error":
-                results = self._shared(
-                    "selection",
-                    lambda layers: select_layers(
-                        layers,
-                        plan,
-                        ranking,
-                        self._rows,
-                        candidates=s.selection_candidates,
-                        drops=s.selection_drops,
-                        groups=self._groups,
-                        log=self.log,
-                        index=self.arch.layer_names.index,
-                    ),
-                )
+                with self._timed("selection"):
+                    results = self._shared(
+                        "selection",
+                        lambda layers: select_layers(
+                            layers,
+                            plan,
+                            ranking,
+                            self._rows,
+                            candidates=s.selection_candidates,
+                            drops=s.selection_drops,
+                            groups=self._groups,
+                            log=self.log,
+                            index=self.arch.layer_names.index,
+                        ),
+                    )
                 selected, self.selection = selection_plan(
                     self.arch,
                     plan,
@@ -185,8 +199,29 @@ class PostCutStep:
                     groups=self._group_record,
                 )
                 kl = (lambda: self._kl(model)) if self._validation is not None else None
-                plan = choose(self.arch, plan, selected, self.selection, kl)
+                with self._timed("selection_check"):
+                    plan = choose(self.arch, plan, selected, self.selection, kl)
         return plan
+
+    @contextmanager
+    def _timed(self, stage: str):
+        """Add the block's wall time to :attr:`seconds` ``[stage]``."""
+        start, self._stage = time.perf_counter(), stage
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+    @contextmanager
+    def _exchanging(self):
+        """Add the block's wall time to the current stage's ``_wait`` (data parallel)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.group is not None:
+                key = f"{self._stage}_wait"
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
 
     def _owned(self) -> list[MoELayer]:
         me = ranks.rank(self.group)
@@ -199,9 +234,10 @@ class PostCutStep:
             mine, failed = work(self._owned()), None
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             mine, failed = {}, f"{type(exc).__name__}: {exc}"
-        merged = ranks.exchange(
-            {**mine, "__failed__" + str(ranks.rank(self.group)): failed}, self.group, what
-        )
+        with self._exchanging():
+            merged = ranks.exchange(
+                {**mine, "__failed__" + str(ranks.rank(self.group)): failed}, self.group, what
+            )
         errors = [
             f"rank {k[10:]}: {v}" for k, v in merged.items() if k.startswith("__failed__") and v
         ]
@@ -254,13 +290,16 @@ class PostCutStep:
     def _kl(self, model) -> HeldOutKL:
         """The model's held-out KL on every held-out sample (each rank's joined)."""
         local = self._validation.kl(model)
-        return ranks.joined_kl(local, self._mine, len(self._held), self._held_groups(), self.group)
+        with self._exchanging():
+            return ranks.joined_kl(
+                local, self._mine, len(self._held), self._held_groups(), self.group
+            )
 
     # -- stages 5-6: components and record (on the cut model) ------------------------
 
     def fit(self, model: torch.nn.Module, overlay: Callable[[], object | None]) -> dict:
         """Fit and validate each component on the cut model; returns the record (the same
-        on every rank, as are the kept tensors, :attr:`tensors`)."""
+        on every rank but its ``seconds``; the kept tensors, :attr:`tensors`, are the same)."""
         s = self.settings
         try:
             if not s.components:
@@ -276,6 +315,9 @@ class PostCutStep:
                 self.record = self._fit_components(model, overlay)
         finally:
             self.close()
+        if self._start is not None:
+            self.seconds["total"] = time.perf_counter() - self._start
+        self.record["seconds"] = {k: round(v, 4) for k, v in self.seconds.items()}
         return self.record
 
     def close(self) -> None:
@@ -301,7 +343,8 @@ class PostCutStep:
         components, layers = [], {n: {} for n in self.arch.layer_names}
         kept: dict[str, dict[str, torch.Tensor]] = {n: {} for n in self.arch.layer_names}
         with _attached(overlay()):
-            now = self._kl(model) if validation is not None else None
+            with self._timed("cut_check"):
+                now = self._kl(model) if validation is not None else None
             cut = now
             for name in s.components:
                 entry, after = self._component(name, model, now, layers, kept)
@@ -335,16 +378,20 @@ class PostCutStep:
             layer.name: read_tensors(layer, component.params(layer)) for layer in self.arch.layers
         }
         try:
-            results = self._shared(f"{name} fits", lambda owned: self._fit_layers(component, owned))
-            fitted = {n: results[n][0] for n in self.arch.layer_names}
-            ranks.hold_tensors(self.arch, fitted)
+            with self._timed(name):
+                results = self._shared(
+                    f"{name} fits", lambda owned: self._fit_layers(component, owned)
+                )
+                fitted = {n: results[n][0] for n in self.arch.layer_names}
+                ranks.hold_tensors(self.arch, fitted)
         except BaseException:
             for layer in self.arch.layers:  # no half-fitted model is left behind
                 write_tensors(layer, saved[layer.name])
             raise
         for n in self.arch.layer_names:
             layers[n][name] = results[n][1]
-        after = self._kl(model) if self._validation is not None else None
+        with self._timed(f"{name}_check"):
+            after = self._kl(model) if self._validation is not None else None
         keep = after is None or keeps(before, after)
         if keep:
             for layer_name, tensors in fitted.items():
