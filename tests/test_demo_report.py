@@ -1,6 +1,7 @@
 """The main job's report renders byte for byte as recorded:
 ``tests/fixtures/demo_results.json`` is a ``--quick`` run's ``results.json`` (trimmed to what the
-report reads, with a model card), and ``demo_report.md`` / ``demo_tables.md`` are what the
+report reads, with a model card; the components' ``change`` / ``se`` and the selections'
+``end_to_end`` records, which that run predates, added by hand in the shape the step writes), and ``demo_report.md`` / ``demo_tables.md`` are what the
 renderer wrote from it, reviewed when the report's wording changed (regenerate them only for an
 intended change, and read the diff). Also: the method table drives the paired differences."""
 
@@ -89,6 +90,23 @@ def test_report_sections_count_their_own_rows():
     assert "| 320 | en |" in report and "| 384 | en |" not in report
     assert report.count("| block-error selection + compensation | worst-language block-error") == 2
     assert report.count("| block-error selection + compensation 75% | worst-language") == 2
+    # what the post-cut step kept: every recorded decision once, counted from the records
+    decisions = [
+        (c["kept"], c["kl_before"], c["kl_after"])
+        for n in fits
+        for c in pr[n]["router_fit"]["components"]
+    ] + [
+        (e["applied"] == "block_error", e["kl_ranking_cut"], e["kl_selection"])
+        for n in fits
+        if (e := (pr[n]["router_fit"]["selection"] or {}).get("end_to_end"))
+    ]
+    kept = re.search(r"Kept: (\d+) of the (\d+) changes tried", report)
+    assert kept and (int(kept[1]), int(kept[2])) == (sum(d[0] for d in decisions), len(decisions))
+    section = report.split("## What the post-cut step kept")[1].split("\n## ")[0]
+    cells = re.findall(r"(\d\.\d{4}) -> (\d\.\d{4}), [-+]\d\.\d{4} \+- \d\.\d{4}, (\S+)", section)
+    assert sorted((k == "**kept**", float(a), float(b)) for a, b, k in cells) == sorted(
+        (k, round(a, 4), round(b, 4)) for k, a, b in decisions
+    )
 
 
 def test_a_generation_stays_on_one_line_of_the_report():

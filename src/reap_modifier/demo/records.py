@@ -148,6 +148,19 @@ class Repeats:
 
 
 @dataclass(frozen=True)
+class Decision:
+    """One post-cut keep / drop on the held-out calibration batches: the whole model's KL to
+    the unpruned model before and after the change, the paired change and its standard error."""
+
+    name: str
+    kept: bool
+    kl_before: float
+    kl_after: float
+    change: float
+    se: float
+
+
+@dataclass(frozen=True)
 class RouterFit:
     """A router-fit checkpoint's fit: tokens, and each layer's held-out error before / after."""
 
@@ -159,6 +172,11 @@ class RouterFit:
     components: tuple[str, ...] = ()
     #: tokens of the held-out batches (0 when nothing was held out)
     held_out: int = 0
+    #: each component's held-out decision, in the order the step ran them
+    decisions: tuple[Decision, ...] = ()
+    #: the block-error selection against REAP's cut on the held-out batches (None: no
+    #: selection, or a run that predates the check)
+    selection: Decision | None = None
 
     @property
     def fitted(self) -> int:
@@ -302,6 +320,20 @@ def _diff(d: dict) -> Diff:
     return Diff(d["mean"], d["se"])
 
 
+def _selection_decision(e2e: dict | None) -> Decision | None:
+    """The selection's end-to-end check as a :class:`Decision` (before: REAP's cut)."""
+    if not e2e or not e2e.get("checked"):
+        return None
+    return Decision(
+        "selection",
+        e2e["applied"] == "block_error",
+        e2e["kl_ranking_cut"],
+        e2e["kl_selection"],
+        e2e["change"],
+        e2e["se"],
+    )
+
+
 def _checkpoint(name: str, r: dict) -> Checkpoint:
     v, fit = r["verify"], r.get("router_fit")
     return Checkpoint(
@@ -332,6 +364,12 @@ def _checkpoint(name: str, r: dict) -> Checkpoint:
                 for c in fit.get("components", [])
             ),
             (fit.get("validation") or {}).get("tokens", 0),
+            tuple(
+                Decision(c["name"], c["kept"], c["kl_before"], c["kl_after"], c["change"], c["se"])
+                for c in fit.get("components", [])
+                if "kl_before" in c and "se" in c
+            ),
+            _selection_decision((fit.get("selection") or {}).get("end_to_end")),
         )
         if fit
         else None,

@@ -13,6 +13,7 @@ from .report_flips import flips_section
 from .report_generations import degeneration_section, generations_section
 from .report_quality import (
     best_section,
+    decisions_section,
     objective_section,
     quality_section,
     router_fit_section,
@@ -30,6 +31,7 @@ def render_report(results: dict) -> str:
         _calibration,
         quality_section,
         router_fit_section,
+        decisions_section,
         best_section,
         objective_section,
         degeneration_section,
@@ -186,6 +188,7 @@ def summary_tables(results: dict) -> str:
         *paired_nll_table(res),
     ]
     lines += router_fit_section(res)
+    lines += decisions_section(res)
     lines += best_section(res)
     lines += objective_section(res)
     return "\n".join(lines) + "\n"

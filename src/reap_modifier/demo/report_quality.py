@@ -171,6 +171,53 @@ def router_fit_section(res: Results) -> list[str]:
     return lines
 
 
+def decisions_section(res: Results) -> list[str]:
+    """What the post-cut step kept and why: for each fitted checkpoint, the block-error
+    selection against REAP's cut and each component, judged on the fit's held-out calibration
+    batches (the whole model's KL to the unpruned model, before -> after, and the paired change
+    +- its standard error; kept only beyond it)."""
+    fits = [c for c in res.pruned if c.fit and (c.fit.decisions or c.fit.selection)]
+    if not fits:
+        return []
+    # the step's order: the fit that tried the most components first
+    ordered = sorted(fits, key=lambda c: -len(c.fit.decisions))
+    names = ["selection", *dict.fromkeys(d.name for c in ordered for d in c.fit.decisions)]
+    lines = [
+        "",
+        "## What the post-cut step kept",
+        "",
+        "Each change the post-cut step tried, judged on the fit's held-out calibration batches (not"
+        " the evaluation windows): the whole model's KL to the unpruned model before -> after, the"
+        " paired change +- its standard error, and whether it was kept (only where the drop exceeds"
+        " one standard error). `selection`: REAP's cut -> the block-error selection, both scored end"
+        " to end; a dropped selection leaves REAP's cut applied. Each component is judged after the"
+        " ones before it, rounded to the dtype it is saved in.",
+        "",
+        "| model | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    kept = total = 0
+    for c in fits:
+        by_name = {d.name: d for d in c.fit.decisions}
+        if c.fit.selection is not None:
+            by_name["selection"] = c.fit.selection
+        cells = []
+        for n in names:
+            d = by_name.get(n)
+            if d is None:
+                cells.append("-")
+                continue
+            total += 1
+            kept += d.kept
+            cells.append(
+                f"{fmt(d.kl_before, 4)} -> {fmt(d.kl_after, 4)}, {d.change:+.4f} +- {fmt(d.se, 4)},"
+                f" {'**kept**' if d.kept else 'dropped'}"
+            )
+        lines.append(f"| {c.label} | " + " | ".join(cells) + " |")
+    lines += ["", f"Kept: {kept} of the {total} changes tried."]
+    return lines
+
+
 def _untagged(label: str) -> str:
     """A label without its sparsity tag (``REAP(en) 75%`` -> ``REAP(en)``)."""
     head, _, tail = label.rpartition(" ")
