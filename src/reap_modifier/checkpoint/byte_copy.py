@@ -6,13 +6,19 @@ user space, extents shared where the filesystem can), then checksums the file as
 mapped read-only from the page cache one window at a time. Where the kernel cannot copy between the two files,
 the ranges go through one buffer (``preadv`` / ``pwrite``). Memory: that buffer at most,
 whatever the shard size.
+
+The kernel copies page-cache pages at ``cp`` speed only where a byte lands at the same
+offset modulo :data:`COPY_ALIGN` as in its source; :func:`copy_residue` says where the
+output's data should start for that (the header is padded to it).
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import mmap
 import os
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,8 +27,10 @@ from .errors import CheckpointError
 __all__ = [
     "ByteMover",
     "CHUNK_BYTES",
+    "COPY_ALIGN",
     "checksum_fd",
     "copy_range",
+    "copy_residue",
     "default_output_checksum",
     "merge_ranges",
     "new_hasher",
@@ -31,6 +39,29 @@ __all__ = [
 #: streaming I/O: bytes per kernel copy (a progress step) and of the fallback buffer
 #: (``REAP_CHUNK_MB`` may be fractional: the interruption tests use ~10 KiB chunks)
 CHUNK_BYTES = max(4096, int(float(os.environ.get("REAP_CHUNK_MB", "16")) * (1 << 20)))
+
+
+#: the kernel's copy (``copy_file_range`` -> splice) moves 16 pages at a time; between
+#: page-cached files on ext4 (Linux 6.18) it costs ~1.6x the CPU per byte unless each step
+#: starts on a multiple of this in both files: the output keeps the source's offsets
+#: modulo it (:func:`copy_residue`) and :func:`copy_range` cuts its first piece at a
+#: multiple of it (``benchmarks/bench_prune_throughput.py --alignment``)
+COPY_ALIGN = 16 * mmap.PAGESIZE
+
+
+def copy_residue(segments: list[tuple[int, int]]) -> int | None:
+    """Where (modulo :data:`COPY_ALIGN`) output data made of ``segments`` copied back to
+    back should start so that the most bytes keep their source offset modulo
+    :data:`COPY_ALIGN`; a multiple of 8 (rounded down), ``None`` without bytes."""
+    weight: Counter[int] = Counter()
+    rel = 0
+    for b, e in segments:
+        weight[(b - rel) % COPY_ALIGN] += e - b
+        rel += e - b
+    if not weight:
+        return None
+    best = max(weight, key=lambda r: (weight[r], -r))
+    return best - best % 8
 
 
 def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -91,8 +122,9 @@ def copy_range(
     progress: Callable[[int], None] | None = None,
 ) -> None:
     """Copy bytes ``[begin, end)`` of ``fd_in`` to offset ``out_pos`` of ``fd_out``, in
-    pieces of at most ``chunk`` bytes (``progress`` is called after each): in the kernel
-    where it can, else through ``buffer``.
+    pieces of at most ``chunk`` bytes (``progress`` is called after each), the first one
+    ending on a multiple of :data:`COPY_ALIGN` of the source: in the kernel where it can,
+    else through ``buffer``.
 
     :raises CheckpointError: the source ends before ``end``
     """
@@ -100,6 +132,9 @@ def copy_range(
     kernel = True
     while begin < end:
         want = min(chunk, end - begin)
+        misfit = begin % COPY_ALIGN
+        if misfit and want > COPY_ALIGN - misfit:
+            want = COPY_ALIGN - misfit
         n = 0
         if kernel:
             try:
@@ -192,8 +227,6 @@ def checksum_fd(fd: int, size: int, kind: str) -> str:
     from the page cache through read-only mappings of :data:`CHUNK_BYTES` (rounded to the
     mapping granularity), one at a time: no copy to user space, and the process's resident
     memory grows by one window at most."""
-    import mmap
-
     h = new_hasher(kind)
     gran = mmap.ALLOCATIONGRANULARITY
     window = max(gran, CHUNK_BYTES // gran * gran)
