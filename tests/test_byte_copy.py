@@ -1,15 +1,18 @@
-"""The byte-range copy's placement, against independent oracles: a brute-force search
-over every residue, Python slicing of the source bytes, and the offsets in the headers
-``reap prune`` writes."""
+"""The byte-range copy's placement and its trailing checksum, against independent oracles:
+a brute-force search over every residue, Python slicing of the source bytes, ``hashlib`` /
+``xxhash`` over the written file, and the offsets in the headers ``reap prune`` writes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import struct
+import threading
 
 import pytest
+import xxhash
 from mxfp4_fixtures import write_synthetic_mxfp4
 
 import reap_modifier.checkpoint.byte_copy as bc
@@ -87,6 +90,47 @@ def test_copy_range_first_piece_ends_on_copy_align(tmp_path, monkeypatch):
     assert all(b % A == 0 and n <= 2 * A for b, n in pieces[1:])
     assert sum(n for _, n in pieces) == end - begin
     assert (tmp_path / "dst").read_bytes() == b"\0" * out_pos + data[begin:end]
+
+
+@pytest.mark.parametrize("kind", ["xxh3_128", "sha256"])
+def test_trailing_checksum_equals_hash_of_file(tmp_path, monkeypatch, kind):
+    """Written in uneven steps across many windows, the digest is the file's."""
+    monkeypatch.setattr(bc, "CHUNK_BYTES", 4096)
+    rng = random.Random(1)
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        trail = bc.TrailingChecksum(fd, kind)
+        size = 0
+        while size < 300_000:
+            block = os.urandom(rng.choice([1, 17, 4096, 10_000, 65_537]))
+            os.write(fd, block)
+            size += len(block)
+            trail.advance(size)
+        digest = trail.finish(size)
+    finally:
+        os.close(fd)
+    oracle = hashlib.sha256() if kind == "sha256" else xxhash.xxh3_128()
+    oracle.update(path.read_bytes())
+    assert digest == oracle.hexdigest()
+
+
+def test_trailing_checksum_cancel_and_error(tmp_path):
+    """cancel() stops the thread; a failure on the thread is raised by finish()."""
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 10)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        before = threading.active_count()
+        trail = bc.TrailingChecksum(fd, "xxh3_128")
+        trail.advance(5)
+        trail.cancel()
+        assert threading.active_count() == before
+        trail = bc.TrailingChecksum(fd, "xxh3_128")
+        with pytest.raises(ValueError):  # mapping past the end of the file
+            trail.finish(10 << 20)
+    finally:
+        os.close(fd)
 
 
 def test_prune_keeps_most_bytes_at_their_source_offset(tmp_path):
