@@ -224,9 +224,11 @@ class ByteMover:
                 digest, trail = trail.finish(pos), None
                 return digest
             finally:
-                if trail is not None:
-                    trail.cancel()
-                os.close(fd_out)
+                try:
+                    if trail is not None:
+                        trail.cancel()
+                finally:
+                    os.close(fd_out)
         finally:
             os.close(fd_in)
 
