@@ -12,7 +12,14 @@ from loguru import logger
 
 from ..pause_points import pause_point
 from .binding import RewriteSpec, rewrite_quant_config
-from .byte_copy import ByteMover, default_output_checksum, merge_ranges, new_hasher
+from .byte_copy import (
+    COPY_ALIGN,
+    ByteMover,
+    copy_residue,
+    default_output_checksum,
+    merge_ranges,
+    new_hasher,
+)
 from .errors import CheckpointError
 from .layout import COUNT_KEY_CONTAINERS, preview, set_dotted
 from .moe_blocks import PER_EXPERT_RE
@@ -163,7 +170,14 @@ class ExpertPlanPruner(_ConverterBase):
                 self.counts[kind] += 1
         with self._lock:
             self.counts["dropped"] += len(names) - len(plan)
-        head = encode_header(out_entries, header.metadata)
+        segments = merge_ranges(segments)
+        # the data starts where most kept bytes keep their source offset modulo COPY_ALIGN
+        residue = copy_residue(segments)
+        head = encode_header(
+            out_entries,
+            header.metadata,
+            align=None if residue is None else (residue, COPY_ALIGN),
+        )
         if self._mover is None:
             self._mover = ByteMover(self.output_checksum)
         first = not self.output_bytes
@@ -171,7 +185,7 @@ class ExpertPlanPruner(_ConverterBase):
             src_file,
             Path(save_path),
             head,
-            merge_ranges(segments),
+            segments,
             progress=self.progress,
             after_first_chunk=(lambda: pause_point("first-shard")) if first else None,
         )

@@ -66,6 +66,8 @@ def bind_replacements(
     :raises CheckpointError: a layer the plan does not bind, a name that is no output
         of the rewrite, an expert tensor, a shape that differs, a non-float dtype
     """
+    if not tensors:
+        return {}
     produced: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     for name in spec.layout.weight_map:
         act = spec.action(name)

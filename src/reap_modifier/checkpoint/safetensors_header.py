@@ -144,9 +144,14 @@ def read_safetensors_header(
 
 
 def encode_header(
-    entries: list[tuple[str, str, list[int], int, int]], metadata: dict | None
+    entries: list[tuple[str, str, list[int], int, int]],
+    metadata: dict | None,
+    *,
+    align: tuple[int, int] | None = None,
 ) -> bytes:
-    """safetensors header bytes (8-byte length + JSON padded with spaces to 8)."""
+    """safetensors header bytes (8-byte length + JSON padded with spaces to 8); with
+    ``align = (residue, modulus)`` (multiples of 8) padded further so that the data starts
+    at a file offset congruent to ``residue`` modulo ``modulus``."""
     header: dict = {}
     if metadata is not None:
         header["__metadata__"] = metadata
@@ -154,4 +159,9 @@ def encode_header(
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [b, e]}
     body = json.dumps(header, separators=(",", ":")).encode("utf-8")
     body += b" " * (-len(body) % 8)
+    if align is not None:
+        residue, modulus = align
+        if residue % 8 or modulus % 8:
+            raise ValueError(f"alignment {align} is not in multiples of 8")
+        body += b" " * ((residue - 8 - len(body)) % modulus)
     return struct.pack("<Q", len(body)) + body
