@@ -11,7 +11,9 @@ Against the project's other
 tiny K3 (``linear_attn_config: null``, ``silu``), it has:
 
 - ``linear_attn_config`` present, every layer listed as full (MLA) attention: KDA layers
-  need ``fla``'s GPU kernels in the modeling (``fla.ops.kda``), so ``kda_layers`` is empty;
+  need ``fla``'s GPU kernels in the modeling (``fla.ops.kda``), so ``kda_layers`` is empty
+  (``with_kda_layer`` makes one layer KDA in a saved copy, for llama.cpp, which cannot run a
+  K3 without a KDA layer);
 - ``hidden_act: situ`` with K3's betas (4.0, 25.0: the values of llama.cpp's
   ``tests/test-llama-archs.cpp``), in the dense MLP, the shared and the routed experts;
 - attention residuals (``attn_res_block_size`` 2 over 4 layers: two blocks);
@@ -84,6 +86,73 @@ def build_k3_testbed(out: str | os.PathLike, *, seed: int = 0, **overrides):
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(out)
     return fixture
+
+
+#: the layer (0-based) :func:`with_kda_layer` makes a KDA layer by default: a MoE layer, so
+#: every later router reads a KDA layer's output
+KDA_LAYER = 1
+
+
+def with_kda_layer(
+    src: str | os.PathLike, dst: str | os.PathLike, layer: int = KDA_LAYER, *, seed: int = 0
+) -> Path:
+    """A copy of the saved test-bed ``src`` in ``dst`` whose ``layer`` is a KDA layer with
+    random weights (the names and shapes of the K3 modeling's ``KimiDeltaAttention``, the
+    full-rank gate): for llama.cpp only. llama.cpp cannot run a K3 without a KDA layer (its
+    hybrid memory's ``rs_s_copy`` graph input is read by KDA layers only, so it is never
+    allocated and ``set_input`` aborts on ``GGML_ASSERT(buffer)``), and transformers cannot
+    run one on CPU (the modeling's KDA needs ``fla``)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    text = cfg["text_config"]
+    lin = text["linear_attn_config"]
+    lin["kda_layers"] = sorted(set(lin["kda_layers"]) | {layer + 1})  # 1-based lists
+    lin["full_attn_layers"] = [i for i in lin["full_attn_layers"] if i != layer + 1]
+    hidden, n_head, head_dim = text["hidden_size"], lin["num_heads"], lin["head_dim"]
+    d_inner, d_conv = n_head * head_dim, lin["short_conv_kernel_size"]
+    prefix = f"language_model.model.layers.{layer}.self_attn."
+    quant = cfg.get("quantization_config") or {}
+    if "ignore" in quant:  # the plain (unquantized) linears, as the compressed save lists them
+        kept = [n for n in quant["ignore"] if not n.startswith(prefix)]
+        kda_linears = "q_proj k_proj v_proj f_a_proj f_b_proj b_proj g_proj o_proj".split()
+        quant["ignore"] = kept + [prefix + n for n in kda_linears]
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale):
+        return torch.randn(*shape, generator=gen) * scale
+
+    shapes = {
+        "q_proj.weight": rand(d_inner, hidden, scale=hidden**-0.5),
+        "k_proj.weight": rand(d_inner, hidden, scale=hidden**-0.5),
+        "v_proj.weight": rand(d_inner, hidden, scale=hidden**-0.5),
+        "q_conv1d.weight": rand(d_inner, 1, d_conv, scale=0.5),
+        "k_conv1d.weight": rand(d_inner, 1, d_conv, scale=0.5),
+        "v_conv1d.weight": rand(d_inner, 1, d_conv, scale=0.5),
+        "A_log": torch.log(torch.rand(n_head, generator=gen) * 15 + 1),
+        "f_a_proj.weight": rand(head_dim, hidden, scale=hidden**-0.5),
+        "f_b_proj.weight": rand(d_inner, head_dim, scale=head_dim**-0.5),
+        "dt_bias": rand(d_inner, scale=0.5),
+        "b_proj.weight": rand(n_head, hidden, scale=hidden**-0.5),
+        "g_proj.weight": rand(d_inner, hidden, scale=hidden**-0.5),
+        "o_norm.weight": 1 + rand(head_dim, scale=0.1),
+        "o_proj.weight": rand(hidden, d_inner, scale=d_inner**-0.5),
+    }
+    path = dst / "model.safetensors"
+    tensors = load_file(path)
+    dtype = tensors[f"language_model.model.layers.{layer}.input_layernorm.weight"].dtype
+    tensors = {n: t for n, t in tensors.items() if not n.startswith(prefix)}
+    for name, t in shapes.items():
+        tensors[prefix + name] = t.to(torch.float32 if name in ("A_log", "dt_bias") else dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return dst
 
 
 def k3_text_config(path: str | os.PathLike) -> dict:
