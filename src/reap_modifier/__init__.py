@@ -16,6 +16,8 @@ import importlib.abc
 import importlib.util
 import sys
 
+from .lazy_names import lazy_names
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -38,14 +40,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
 
 
 class _RegisterAfterLLMCompressor(importlib.abc.MetaPathFinder):

@@ -19,7 +19,7 @@ The names are imported on first use (PEP 562): importing the package imports no 
 
 from __future__ import annotations
 
-import importlib
+from ..lazy_names import lazy_names
 
 __all__ = [
     "EvalInputError",
@@ -61,11 +61,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)

@@ -8,7 +8,7 @@ adapters register when :mod:`.architecture` (the one user of the registry) is im
 
 from __future__ import annotations
 
-import importlib
+from ..lazy_names import lazy_names
 
 __all__ = [
     "COUNT_KEYS",
@@ -36,13 +36,5 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        if _LAZY[name] == "base":  # the registry: with the built-in adapters in it
-            importlib.import_module(f"{__name__}.architecture")
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+# the registry (``base``) is handed out with the built-in adapters in it
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__, first={"base": "architecture"})
