@@ -174,25 +174,6 @@ def test_scores_cut_against_the_gguf(tmp_path):
     assert res.exit_code == 2 and "16" in res.output and not (tmp_path / "w.gguf").exists()
 
 
-def test_gguf_commands_import_no_model_code(tmp_path, pruned):
-    """A GGUF prune needs neither transformers nor compressed-tensors (nor llm-compressor):
-    their imports are most of what makes ``reap prune`` start slowly."""
-    import subprocess
-    import sys
-
-    src, out, plan = pruned
-    code = (
-        "import sys\n"
-        "from reap_modifier.cli import app\n"
-        f"sys.argv = ['reap', 'prune', {str(src)!r}, '--plan', {str(plan)!r}, '-o', {str(tmp_path / 'x.gguf')!r}, '-q']\n"
-        "try:\n    app()\nexcept SystemExit:\n    pass\n"
-        "print(sorted(m for m in ('transformers', 'compressed_tensors', 'llmcompressor') if m in sys.modules))\n"
-    )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert res.stdout.strip().splitlines()[-1] == "[]", res.stdout + res.stderr[-2000:]
-    assert (tmp_path / "x.gguf").is_file()
-
-
 @pytest.mark.parametrize("where", ["mid-write", "before-rename"])
 def test_interrupt_leaves_nothing_and_keeps_the_previous_output(
     pruned, tmp_path, monkeypatch, where
