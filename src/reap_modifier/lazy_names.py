@@ -1,8 +1,9 @@
 """Public names imported on first use (PEP 562).
 
 A package lists, for each public name, the module that defines it; importing the package imports
-none of them. That keeps ``import reap_modifier`` and the ``reap`` commands that need no model
-(``reap --help``, a GGUF prune from a plan) free of torch (``tests/test_cli_startup.py``).
+none of them, and a name is looked up once, then held by the package. That keeps ``import reap_modifier`` and the ``reap`` commands that need no model
+(``reap --help``, a GGUF prune from a plan) free of torch (``tests/test_cli_startup.py``), and
+``checkpoint``'s GGUF users free of compressed-tensors.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def lazy_names(
         module = where[name]
         if module in first:
             importlib.import_module(f"{package}.{first[module]}")
-        return getattr(importlib.import_module(f"{package}.{module}"), name)
+        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        vars(sys.modules[package])[name] = value  # later lookups skip this function
+        return value
 
     def __dir__() -> list[str]:
         return sorted({*vars(sys.modules[package]), *public})

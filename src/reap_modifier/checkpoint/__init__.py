@@ -18,7 +18,7 @@ package (the GGUF tools use :mod:`.destination`) does not import compressed-tens
 
 from __future__ import annotations
 
-from importlib import import_module
+from ..lazy_names import lazy_names
 
 #: public name -> the module of this package that defines it
 _EXPORTS = {
@@ -58,14 +58,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, __all__)

@@ -21,25 +21,6 @@ from __future__ import annotations
 
 from ..lazy_names import lazy_names
 
-__all__ = [
-    "EvalInputError",
-    "Prepared",
-    "ReferenceTopN",
-    "Settings",
-    "WindowMetrics",
-    "evaluate",
-    "evaluate_models",
-    "greedy_generate",
-    "longest_repeat_run",
-    "paired_difference",
-    "prepare",
-    "repetition_stats",
-    "run_models",
-    "token_metrics",
-    "topn_kl",
-    "zero_routed_experts",
-]
-
 #: public name -> the module that defines it, imported on first use
 _LAZY = {
     "evaluate": "run",
@@ -59,6 +40,8 @@ _LAZY = {
     "Settings": "run",
     "WindowMetrics": "metrics",
 }
+
+__all__ = sorted(_LAZY)
 
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)

@@ -10,18 +10,6 @@ from __future__ import annotations
 
 from ..lazy_names import lazy_names
 
-__all__ = [
-    "COUNT_KEYS",
-    "MoEAdapter",
-    "MoEArchitecture",
-    "MoELayer",
-    "NoMoEError",
-    "find_moe_architecture",
-    "register_adapter",
-    "registered_adapters",
-    "text_config",
-]
-
 #: public name -> the module that defines it, imported on first use
 _LAZY = {
     "COUNT_KEYS": "config_keys",
@@ -34,6 +22,8 @@ _LAZY = {
     "registered_adapters": "base",
     "text_config": "config_keys",
 }
+
+__all__ = sorted(_LAZY)
 
 
 # the registry (``base``) is handed out with the built-in adapters in it

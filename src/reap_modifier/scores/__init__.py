@@ -8,44 +8,17 @@ names are imported on first use (PEP 562): the format's names and errors need no
 from __future__ import annotations
 
 from ..lazy_names import lazy_names
-
-__all__ = [
-    "BASELINE_METHODS",
-    "KIND_CALIBRATION",
-    "KIND_WEIGHTS",
-    "SALIENCY_FROM_STATS",
-    "SALIENCY_NAMES",
-    "SCORES_FORMAT",
-    "SCORES_VERSION",
-    "SOURCE_PREFIX",
-    "STAT_NAMES",
-    "ExpertScores",
-    "ScoresError",
-    "saliency_from_stats",
-    "scores_difference",
-]
+from . import names
 
 #: public name -> the module that defines it, imported on first use
 _LAZY = {
-    **dict.fromkeys(
-        (
-            "BASELINE_METHODS",
-            "KIND_CALIBRATION",
-            "KIND_WEIGHTS",
-            "SALIENCY_FROM_STATS",
-            "SALIENCY_NAMES",
-            "SCORES_FORMAT",
-            "SCORES_VERSION",
-            "SOURCE_PREFIX",
-            "STAT_NAMES",
-        ),
-        "names",
-    ),
+    **dict.fromkeys(names.__all__, "names"),
     "ExpertScores": "scores_file",
     "ScoresError": "errors",
     "saliency_from_stats": "scores_file",
     "scores_difference": "difference",
 }
 
+__all__ = sorted(_LAZY)
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
