@@ -30,7 +30,6 @@ __all__ = [
     "ByteMover",
     "CHUNK_BYTES",
     "COPY_ALIGN",
-    "checksum_fd",
     "copy_range",
     "copy_residue",
     "default_output_checksum",
@@ -241,9 +240,9 @@ class ByteMover:
 class TrailingChecksum:
     """The checksum ``kind`` of a file written front to back, computed on a helper thread
     that follows the writer: :meth:`advance` says how many leading bytes are written, the
-    thread hashes each full window of :data:`CHUNK_BYTES` as it completes (mapped
-    read-only from the page cache, as :func:`checksum_fd`), :meth:`finish` hashes the rest
-    and returns the digest. The writer's thread does no hashing; the file is read once
+    thread hashes each full window of :data:`CHUNK_BYTES` (rounded to the mapping
+    granularity) as it completes, mapped read-only from the page cache (no copy to user
+    space), and :meth:`finish` hashes the rest and returns the digest. The writer's thread does no hashing; the file is read once
     more, from the page cache, on another core."""
 
     def __init__(self, fd: int, kind: str):
@@ -311,21 +310,3 @@ class TrailingChecksum:
                 self._hasher.update(view)
             finally:
                 view.release()
-
-
-def checksum_fd(fd: int, size: int, kind: str) -> str:
-    """The checksum ``kind`` of the first ``size`` bytes of the open file ``fd``, read
-    from the page cache through read-only mappings of :data:`CHUNK_BYTES` (rounded to the
-    mapping granularity), one at a time: no copy to user space, and the process's resident
-    memory grows by one window at most."""
-    h = new_hasher(kind)
-    gran = mmap.ALLOCATIONGRANULARITY
-    window = max(gran, CHUNK_BYTES // gran * gran)
-    for offset in range(0, size, window):
-        with mmap.mmap(fd, min(window, size - offset), prot=mmap.PROT_READ, offset=offset) as mm:
-            view = memoryview(mm)
-            try:
-                h.update(view)
-            finally:
-                view.release()
-    return h.hexdigest()
