@@ -33,6 +33,7 @@ held out from every fit.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -92,7 +93,7 @@ class PostCutStep:
         #: ``total`` from :meth:`choose` to the end of :meth:`fit`, the cut included; under
         #: data parallel ``<stage>_wait``, the part spent exchanging results with the other
         #: ranks (waiting for the slowest)
-        self.seconds: dict[str, float] = {}
+        self.seconds: defaultdict[str, float] = defaultdict(float)
         self._start: float | None = None
         self._stage = ""
 
@@ -210,7 +211,7 @@ class PostCutStep:
         try:
             yield
         finally:
-            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+            self.seconds[stage] += time.perf_counter() - start
 
     @contextmanager
     def _exchanging(self):
@@ -220,8 +221,7 @@ class PostCutStep:
             yield
         finally:
             if self.group is not None:
-                key = f"{self._stage}_wait"
-                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+                self.seconds[f"{self._stage}_wait"] += time.perf_counter() - start
 
     def _owned(self) -> list[MoELayer]:
         me = ranks.rank(self.group)
