@@ -6,7 +6,6 @@ its import-time log. Judged on the module set, never on time."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -14,11 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from gguf_synth import write_moe
+from gguf_synth import write_moe, write_plan
 
 #: what only model work needs (torch and what stands on it)
 MODEL_STACK = {"torch", "transformers", "llmcompressor", "compressed_tensors", "safetensors"}
-KEPT = {"model.layers.0.mlp": [0, 3, 5, 6], "model.layers.1.mlp": [1, 2, 4, 7]}
 
 _IMPORT_LINE = re.compile(r"^import time:\s+\d+ \|\s+\d+ \| *(\S+)$", re.M)
 
@@ -60,10 +58,7 @@ def test_help_imports_no_model_stack(args):
 
 def test_gguf_prune_imports_no_torch(tmp_path):
     src = write_moe(tmp_path / "src.gguf", expert_type="Q4_K")
-    plan = tmp_path / "plan.json"
-    plan.write_text(
-        json.dumps({"format": "reap-plan", "version": 1, "num_experts": 8, "kept": KEPT})
-    )
+    plan = write_plan(tmp_path / "plan.json")
     out = tmp_path / "out.gguf"
     proc, modules = imported("prune", src, "--plan", plan, "-o", out, "-q")
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -125,23 +125,29 @@ def test_pruned_gguf_logits_equal_transformers(llama_cpp, tmp_path, family):
     assert np.abs(llama_logits(gguf_src, tmp_path) - want).max() > 1e-2
 
 
-def test_masked_routing_oracle_in_llama_cpp(llama_cpp, tmp_path):
-    """DeepSeek-V3 (sigmoid + ``exp_probs_b``, 4 groups): the unpruned GGUF with the
-    dropped experts' bias at -1e30 routes exactly as the pruned one."""
+def masked_copy(src: Path, dst: Path, kept: dict[int, list[int]], num_experts: int) -> Path:
+    """A copy of the GGUF ``src`` whose ``exp_probs_b`` is -1e30 on every expert not in
+    ``kept`` (layer index -> kept ids): the masked-routing oracle inside llama.cpp."""
     import gguf
 
-    src = saved_model("deepseek_v3", tmp_path)
-    gguf_src = convert(src, tmp_path / "src.gguf", "f32")
-    masked = tmp_path / "masked.gguf"
-    masked.write_bytes(gguf_src.read_bytes())
-    reader = gguf.GGUFReader(masked, "r+")
+    dst.write_bytes(src.read_bytes())
+    reader = gguf.GGUFReader(dst, "r+")
     for t in reader.tensors:
         if t.name.endswith("exp_probs_b.bias"):
             layer = int(t.name.split(".")[1])
-            dropped = [e for e in range(16) if e not in KEPT["deepseek_v3"][layer]]
-            t.data[dropped] = -1e30
+            t.data[[e for e in range(num_experts) if e not in kept[layer]]] = -1e30
     reader.data.flush()
     del reader
+    return dst
+
+
+def test_masked_routing_oracle_in_llama_cpp(llama_cpp, tmp_path):
+    """DeepSeek-V3 (sigmoid + ``exp_probs_b``, 4 groups): the unpruned GGUF with the
+    dropped experts' bias at -1e30 routes exactly as the pruned one."""
+
+    src = saved_model("deepseek_v3", tmp_path)
+    gguf_src = convert(src, tmp_path / "src.gguf", "f32")
+    masked = masked_copy(gguf_src, tmp_path / "masked.gguf", KEPT["deepseek_v3"], 16)
     ours = tmp_path / "ours.gguf"
     plan = PruningPlan(
         kept={f"model.layers.{L}.mlp": v for L, v in KEPT["deepseek_v3"].items()}, num_experts=16
@@ -231,21 +237,12 @@ def k3_masked_routing_diffs(k3, tmp: Path) -> tuple[float, float]:
     """On the KDA test-bed in llama.cpp: max |logits(pruned GGUF) - logits(unpruned GGUF with
     the dropped experts' ``exp_probs_b`` at -1e30)| and max |logits(pruned) -
     logits(unpruned, unmasked)|."""
-    import gguf
     from k3_testbed import IDS as K3_IDS
 
     plan = k3[1]
     gguf_src, ours = k3_kda_gguf(k3, tmp)
     kept = {int(k.split(".")[3]): v for k, v in plan.kept.items()}
-    masked = tmp / "kda-masked.gguf"
-    masked.write_bytes(gguf_src.read_bytes())
-    reader = gguf.GGUFReader(masked, "r+")
-    for t in reader.tensors:
-        if t.name.endswith("exp_probs_b.bias"):
-            layer = int(t.name.split(".")[1])
-            t.data[[e for e in range(plan.num_experts) if e not in kept[layer]]] = -1e30
-    reader.data.flush()
-    del reader
+    masked = masked_copy(gguf_src, tmp / "kda-masked.gguf", kept, plan.num_experts)
     got = llama_logits(ours, tmp, K3_IDS)
     masked_diff = np.abs(got - llama_logits(masked, tmp, K3_IDS)).max()
     unmasked_diff = np.abs(got - llama_logits(gguf_src, tmp, K3_IDS)).max()

@@ -9,18 +9,13 @@ import json
 import pytest
 from badinput import cli as run_cli
 from gguf_oracle import field_values
-from gguf_synth import write_imatrix, write_moe
-
-KEPT = {"model.layers.0.mlp": [0, 3, 5, 6], "model.layers.1.mlp": [1, 2, 4, 7]}
+from gguf_synth import write_imatrix, write_moe, write_plan
 
 
 @pytest.fixture
 def pruned(tmp_path):
     src = write_moe(tmp_path / "src.gguf", expert_type="Q4_K")
-    plan = tmp_path / "plan.json"
-    plan.write_text(
-        json.dumps({"format": "reap-plan", "version": 1, "num_experts": 8, "kept": KEPT})
-    )
+    plan = write_plan(tmp_path / "plan.json")
     out = tmp_path / "out.gguf"
     res = run_cli("prune", src, "--plan", plan, "-o", out, "-q")
     assert res.exit_code == 0, res.output
@@ -110,11 +105,8 @@ def test_cli_bad_input_exits_2_and_writes_nothing(pruned, tmp_path, extra, messa
 
 def test_cli_refuses_keep_below_top_k_from_a_plan(tmp_path):
     src = write_moe(tmp_path / "src.gguf", used=4)
-    plan = tmp_path / "plan.json"
     kept = {"model.layers.0.mlp": [0, 1], "model.layers.1.mlp": [0, 1]}
-    plan.write_text(
-        json.dumps({"format": "reap-plan", "version": 1, "num_experts": 8, "kept": kept})
-    )
+    plan = write_plan(tmp_path / "plan.json", kept)
     res = run_cli("prune", src, "--plan", plan, "-o", tmp_path / "o.gguf")
     assert res.exit_code == 2
     assert "keep at least 4" in res.output

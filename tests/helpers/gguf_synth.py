@@ -1,15 +1,27 @@
 """Synthetic GGUF files for the GGUF tests that need no converter: a MoE model whose expert
 tensors have any ggml type (a k-quant, MXFP4: random bytes of the type's block size), with
-groups, next-token layers or a hash-routing table, and an importance matrix of it. Written
-with the ``gguf`` package's writer."""
+groups, next-token layers or a hash-routing table, an importance matrix of it, and a plan for
+it. Written with the ``gguf`` package's writer."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 
 ARCH = "deepseek2"
+
+#: half of :func:`write_moe`'s 8 experts kept in each of its two layers
+HALF_KEPT = {"model.layers.0.mlp": [0, 3, 5, 6], "model.layers.1.mlp": [1, 2, 4, 7]}
+
+
+def write_plan(path: Path, kept: dict[str, list[int]] = HALF_KEPT, num_experts: int = 8) -> Path:
+    """A ``reap-plan`` file keeping ``kept`` (block name -> expert ids) of ``num_experts``."""
+    path.write_text(
+        json.dumps({"format": "reap-plan", "version": 1, "num_experts": num_experts, "kept": kept})
+    )
+    return path
 
 
 def _raw(rng, ggml_type, dims: tuple[int, ...]) -> tuple[np.ndarray, object]:
