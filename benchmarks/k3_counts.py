@@ -250,12 +250,14 @@ def word_tokenizer(vocab: int):
 
 def recipe_fields(size: Size, mode: str, work: Path) -> dict:
     """The modifier's fields for ``mode``: ``reap`` (with ``checkpoint_dir``), ``post_cut``
-    (selection, router, bias, dense, validation) or ``together`` (both)."""
+    (selection, router, bias, dense, validation) or ``together`` (both); ``router`` and
+    ``router+validation``: REAP and the router fit, without and with the held-out check
+    (``benchmarks/held_out_memory.py``)."""
     fields = dict(
         num_experts_to_keep=size.kept, scores_path=str(work / f"{mode}.scores.safetensors")
     )
     if mode in ("reap", "together"):
-        fields["checkpoint_dir"] = str(work / "calibration-checkpoint")
+        fields["checkpoint_dir"] = str(work / f"{mode}.checkpoint")
     if mode in ("post_cut", "together"):
         fields.update(
             selection="block_error",
@@ -266,6 +268,13 @@ def recipe_fields(size: Size, mode: str, work: Path) -> dict:
             router_fit_tokens=size.fit_tokens,
             router_fit_steps=size.steps,
             compensation_steps=size.dense_steps,
+        )
+    if mode in ("router", "router+validation"):
+        fields.update(
+            calibrate_router=True,
+            validate_fit=mode == "router+validation",
+            router_fit_tokens=size.fit_tokens,
+            router_fit_steps=size.steps,
         )
     return fields
 
@@ -278,7 +287,7 @@ def child_oneshot(args) -> None:
 
     torch.set_num_threads(args.threads)
     work = Path(args.work)
-    clock = PhaseClock("load", watch=work / "calibration-checkpoint")
+    clock = PhaseClock("load", watch=work / f"{args.mode}.checkpoint")
     from datasets import Dataset
     from llmcompressor import oneshot
 
@@ -393,10 +402,20 @@ def build_model(size: Size, cache: Path) -> tuple[Path, float, dict]:
 
 
 def run_recipe(
-    size: Size, work: Path, cache: Path, threads: int, separate: bool, lean: bool = False
+    size: Size,
+    work: Path,
+    cache: Path,
+    threads: int,
+    separate: bool,
+    lean: bool = False,
+    parallel: bool = False,
 ) -> dict:
     """Every stage of the recipe on one size; returns each stage's record (``lean``: the
-    post-cut process and ``reap prune`` only, for the sweep)."""
+    post-cut process and ``reap prune`` only, for the sweep; ``parallel``: the ``oneshot``
+    processes side by side, each with its own ``checkpoint_dir``, for a machine with a
+    core per process: each process's times are its own, its peak RSS unchanged)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tqdm.auto import tqdm
 
     if work.exists():
@@ -414,12 +433,17 @@ def run_recipe(
     progress = tqdm(
         total=len(modes) + (1 if lean else 3), desc=f"k3-counts {size.model_key()} T{size.tokens}"
     )
-    for mode in modes:
-        progress.set_postfix_str(mode)
-        stages[mode] = run_child(
+
+    def oneshot_stage(mode: str) -> dict:
+        record = run_child(
             ["--child", "oneshot", "--mode", mode, *base], work / f"{mode}.log", threads
         )
         progress.update()
+        return record
+
+    progress.set_postfix_str(" + ".join(modes) if parallel else "oneshot")
+    with ThreadPoolExecutor(len(modes) if parallel else 1) as pool:
+        stages.update(zip(modes, pool.map(oneshot_stage, modes)))
     post = stages["together"]
     if "reap" in stages:
         stages["reap"]["disk_bytes"] = stages["reap"].get("checkpoint_dir_peak_bytes", 0)
@@ -834,6 +858,11 @@ def parse_args(argv=None):
         "--separate", action="store_true", help="also the post-cut fields without checkpoint_dir"
     )
     p.add_argument(
+        "--parallel",
+        action="store_true",
+        help="the oneshot processes side by side (one core each)",
+    )
+    p.add_argument(
         "--sweep", action="store_true", help="three sizes per axis, slopes, extrapolation"
     )
     p.add_argument("--axes", default=",".join(AXES), help="the sweep's axes (default: all four)")
@@ -862,7 +891,9 @@ def main(argv=None) -> None:
     if args.sweep:
         report.update(sweep(size, work, cache, args.threads, args.axes.split(","), args.cached))
     else:
-        run = run_recipe(size, work / "run", cache, args.threads, args.separate)
+        run = run_recipe(
+            size, work / "run", cache, args.threads, args.separate, parallel=args.parallel
+        )
         report["run"] = run
         report["rows"] = stage_rows(run)
         print(f"\n## The whole recipe at {size.model_key()}, {size.samples} x {size.seq} tokens\n")
