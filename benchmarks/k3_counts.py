@@ -383,7 +383,15 @@ def run_child(argv: list[str], log: Path, threads: int) -> dict:
 
 
 def disk_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+    """Bytes of the files under ``path`` (files the run removes meanwhile count as 0)."""
+    total = 0
+    for root, _, files in os.walk(path):  # os.walk skips folders removed under it
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
 
 
 def build_model(size: Size, cache: Path) -> tuple[Path, float, dict]:
@@ -549,10 +557,19 @@ def slope(xs: list[float], ys: list[float]) -> float | None:
 
 
 def sweep(
-    base: Size, work: Path, cache: Path, threads: int, axes: list[str], cached: bool = False
+    base: Size,
+    work: Path,
+    cache: Path,
+    threads: int,
+    axes: list[str],
+    cached: bool = False,
+    at_counts: Path | None = None,
 ) -> dict:
     """Every stage at three sizes of each of ``axes`` (the base in the middle); the slopes
-    (an axis not swept gets no slope, and the extrapolation does not grow with it)."""
+    (an axis not swept gets no slope, and the extrapolation does not grow with it).
+    ``at_counts``: a report of the run at K3's counts (``--out`` without ``--sweep``); the
+    extrapolation then starts from its measured stages, grown by the tokens' slopes only
+    (its layers, experts and vocabulary are K3's already)."""
     runs: dict[str, dict] = {}
     points: dict[str, list[tuple[str, Size]]] = {}
     middle = {k: v for changes in AXES.values() for k, v in changes[1].items()}
@@ -603,6 +620,15 @@ def sweep(
         f"\n## Growth per stage (log-log slopes; base {centre.model_key()}, {centre.samples} x {centre.seq} tokens)\n"
     )
     print(growth_table(rows, fits))
+    if at_counts is not None:
+        measured = json.loads(Path(at_counts).read_text())
+        centre = Size(**measured["run"]["size"])
+        rows = [
+            r
+            for r in measured["rows"]
+            if r["stage"] in fits or r["stage"].startswith("reap verify")
+        ]
+        print(f"\nThe extrapolation starts from the run at K3's counts: {at_counts}")
     extra = extrapolate(centre, rows, fits)
     print(extrapolation_text(extra))
     return {
@@ -720,7 +746,7 @@ def extrapolate(centre: Size, rows: list[dict], fits: dict, ranks: int = 8) -> d
         if base is None or stage.endswith("(process)") or stage == "build checkpoint":
             continue
         grow = 1.0
-        slopes = fits[stage].get("seconds", {})
+        slopes = fits.get(stage, {}).get("seconds", {})
         for axis in slopes:
             sl = slopes[axis]["slope"]
             sl = min(max(sl or 0.0, 0.0), 2.0)
@@ -869,6 +895,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--cached", action="store_true", help="the sweep from the sizes already measured only"
     )
+    p.add_argument(
+        "--at-counts",
+        default=None,
+        help="with --sweep: extrapolate from this report of the run at K3's counts",
+    )
     p.add_argument("--child", choices=["oneshot", "cli"], help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--size", help=argparse.SUPPRESS)
@@ -889,7 +920,11 @@ def main(argv=None) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     report: dict = {"argv": sys.argv[1:], "threads": args.threads}
     if args.sweep:
-        report.update(sweep(size, work, cache, args.threads, args.axes.split(","), args.cached))
+        report.update(
+            sweep(
+                size, work, cache, args.threads, args.axes.split(","), args.cached, args.at_counts
+            )
+        )
     else:
         run = run_recipe(
             size, work / "run", cache, args.threads, args.separate, parallel=args.parallel

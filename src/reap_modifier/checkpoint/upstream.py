@@ -53,14 +53,22 @@ def upstream_gaps(converter: ExpertPlanPruner):
        sets the count key in one place only.  :class:`ExpertPlanPruner` takes the plan
        instead.  (llm-compressor's ``model_free_ptq(converter=...)`` never calls
        ``update_model_config``; ``convert_checkpoint`` does, so we call that.)
+    5. ``validate_file`` builds each shard's meta tensors through
+       ``load_tensors_from_inverse_weight_map``, which checks every name against the
+       shard's key *list* (``name not in keys``): quadratic in the tensors of a shard.
+       At K3's counts with small widths one 256 MB shard holds 495,905 tensors, and the
+       check alone ran for over 15 minutes without finishing.  It is swapped, with
+       ``convert_file``, for the same check against a set (same tensors, same error).
     """
     module = importlib.import_module(_CONVERT_MODULE)
-    stock = module.convert_file
+    stock, stock_validate = module.convert_file, module.validate_file
     expected = ["inverse_weight_map", "save_path", "converters", "device"]
-    if list(inspect.signature(stock).parameters) != expected:
+    if list(inspect.signature(stock).parameters) != expected or list(
+        inspect.signature(stock_validate).parameters
+    ) != ["inverse_weight_map", "converters"]:
         logger.warning(
-            "compressed-tensors convert_file changed its signature; using the stock "
-            "(in-memory) shard writer"
+            "compressed-tensors convert_file / validate_file changed their signatures; "
+            "using the stock (in-memory, quadratic-check) shard writer"
         )
         yield
         return
@@ -70,11 +78,40 @@ def upstream_gaps(converter: ExpertPlanPruner):
             return converter.stream_shard(inverse_weight_map, save_path)
         return stock(inverse_weight_map, save_path, converters, device)
 
-    module.convert_file = convert_file
+    def validate_file(inverse_weight_map, converters):
+        if len(converters) == 1 and converters[0] is converter:
+            return converter.validate(meta_tensors(inverse_weight_map))
+        return stock_validate(inverse_weight_map, converters)
+
+    module.convert_file, module.validate_file = convert_file, validate_file
     try:
         yield
     finally:
-        module.convert_file = stock
+        module.convert_file, module.validate_file = stock, stock_validate
+
+
+def meta_tensors(inverse_weight_map: dict[str, list[str] | None]) -> dict[str, torch.Tensor]:
+    """``load_tensors_from_inverse_weight_map(..., device="meta")`` with the names checked
+    against a set of the shard's keys (gap 5)."""
+    from compressed_tensors.utils.safetensors_load import str_to_torch_dtype
+    from safetensors import safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    for source_file, names in inverse_weight_map.items():
+        with safe_open(source_file, framework="pt") as file:
+            keys = file.keys()
+            present = set(keys)
+            for name in names or keys:
+                if name not in present:
+                    raise ValueError(
+                        f"Expected to find tensor {name} in {source_file}, "
+                        "but tensor was not found."
+                    )
+                piece = file.get_slice(name)
+                tensors[name] = torch.empty(
+                    piece.get_shape(), dtype=str_to_torch_dtype[piece.get_dtype()], device="meta"
+                )
+    return tensors
 
 
 #: the swap in upstream_gaps patches a module global: one conversion at a time
