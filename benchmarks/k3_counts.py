@@ -24,8 +24,12 @@ sub-stages are timed and their RSS high-water sampled every 20 ms):
 and vocabulary (the others at the sweep's base), fits each stage's log-log slope, and
 extrapolates to a real K3 run (labelled as such, assumptions printed).
 
-    nice -n 10 .venv/bin/python benchmarks/k3_counts.py --out k3_counts.json   # K3's counts
-    nice -n 10 .venv/bin/python benchmarks/k3_counts.py --sweep --out k3_sweep.json
+    nice -n 10 .venv/bin/python benchmarks/k3_counts.py --parallel --out k3_counts.json  # K3's counts
+    nice -n 10 .venv/bin/python benchmarks/k3_counts.py --sweep --seq 128 --out k3_sweep.json
+    .venv/bin/python benchmarks/k3_counts.py --sweep --cached --seq 128 --at-counts k3_counts.json
+
+(``--parallel``: REAP alone and the whole recipe side by side, a core each; ``--at-counts``:
+the extrapolation starts from the 92-layer run, grown by the sweep's token slopes only.)
 """
 
 from __future__ import annotations
