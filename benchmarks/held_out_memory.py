@@ -47,10 +47,10 @@ def main(argv=None) -> None:
         )
         for mode in MODES
     }
-    held = sorted({ph for r in runs.values() for ph in r.get("phases", {}) if "held-out" in ph})
+    validation = runs["router+validation"].get("validation") or {}
     print(
-        f"\n## The held-out check's memory: {size.model_key()}, "
-        f"{size.samples} x {size.seq} tokens ({size.samples // 8} samples held out)\n"
+        f"\n## The held-out check's memory: {size.model_key()}, {size.samples} x {size.seq} "
+        f"tokens ({validation.get('batches')} batches, {validation.get('tokens')} tokens held out)\n"
     )
     print("| validate_fit | process peak RSS GiB | wall s | ok |")
     print("|---|---:|---:|---|")
@@ -62,11 +62,10 @@ def main(argv=None) -> None:
         )
     on, off = (runs[m]["process_peak_rss_gib"] for m in reversed(MODES))
     print(f"\npeak RSS added by the held-out check: {on - off:+.3f} GiB")
-    phases = runs["router+validation"].get("phases", {})
-    for ph in held:
-        if ph in phases:
-            print(f"  {ph}: rise {phases[ph]['rise_gib']:.3f} GiB, {phases[ph]['seconds']:.1f} s")
-    full = size.samples // 8 * size.seq * size.vocab * 4
+    for ph, rec in sorted(runs["router+validation"].get("phases", {}).items()):
+        if "held-out" in ph:
+            print(f"  {ph}: rise {rec['rise_gib']:.3f} GiB, {rec['seconds']:.1f} s")
+    full = validation.get("tokens", 0) * size.vocab * 4
     print(f"full-vocabulary log-probabilities of the held-out tokens would be {full / GIB:.2f} GiB")
     if args.out:
         Path(args.out).write_text(

@@ -447,13 +447,16 @@ def run_recipe(
     )
 
     def oneshot_stage(mode: str) -> dict:
+        if not parallel:
+            progress.set_postfix_str(mode)
         record = run_child(
             ["--child", "oneshot", "--mode", mode, *base], work / f"{mode}.log", threads
         )
         progress.update()
         return record
 
-    progress.set_postfix_str(" + ".join(modes) if parallel else "oneshot")
+    if parallel:
+        progress.set_postfix_str(" + ".join(modes))
     with ThreadPoolExecutor(len(modes) if parallel else 1) as pool:
         stages.update(zip(modes, pool.map(oneshot_stage, modes)))
     post = stages["together"]

@@ -1,9 +1,10 @@
 """Public names imported on first use (PEP 562).
 
 A package lists, for each public name, the module that defines it; importing the package imports
-none of them, and a name is looked up once, then held by the package. That keeps ``import reap_modifier`` and the ``reap`` commands that need no model
-(``reap --help``, a GGUF prune from a plan) free of torch (``tests/test_cli_startup.py``), and
-``checkpoint``'s GGUF users free of compressed-tensors.
+none of them, and a name is looked up once, then held by the package. That keeps
+``import reap_modifier`` and the ``reap`` commands that need no model (``reap --help``, a GGUF
+prune from a plan) free of torch (``tests/test_cli_startup.py``), and ``checkpoint``'s GGUF
+users free of compressed-tensors.
 """
 
 from __future__ import annotations

@@ -242,8 +242,8 @@ class TrailingChecksum:
     that follows the writer: :meth:`advance` says how many leading bytes are written, the
     thread hashes each full window of :data:`CHUNK_BYTES` (rounded to the mapping
     granularity) as it completes, mapped read-only from the page cache (no copy to user
-    space), and :meth:`finish` hashes the rest and returns the digest. The writer's thread does no hashing; the file is read once
-    more, from the page cache, on another core."""
+    space), and :meth:`finish` hashes the rest and returns the digest. The writer's thread
+    does no hashing; the file is read once more, from the page cache, on another core."""
 
     def __init__(self, fd: int, kind: str):
         self._fd = fd
